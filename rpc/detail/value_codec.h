@@ -1,0 +1,100 @@
+#pragma once
+
+// Private: includes the generated protobuf code. See Note [Wire format].
+
+#include <ATen/core/ivalue.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "rpc/options.h"
+#include "rpc/value_extension.h"
+#include "proto/rpc/envelope.pb.h"
+
+namespace torchrpc {
+namespace rpc {
+namespace detail {
+
+// Note [Wire format]
+// ~~~~~~~~~~~~~~~~~~
+// Every message is one protobuf Envelope (the transport's header) plus a list
+// of tensors whose bytes travel out of band. Values are c10::IValues encoded
+// as a `wire::Value` tree; a tensor is encoded as an index into the envelope's
+// tensor descriptors, and descriptor i describes the transport's tensor i.
+//
+// Guarantees:
+//  1. A value round-trips exactly: kind, container element types (also of
+//     empty containers), tensor dtype, shape, values and requires_grad.
+//  2. Only the bytes a tensor covers travel: a contiguous view sends its own
+//     range, a non-contiguous tensor is compacted first.
+//  3. Decoding never trusts the peer: every index, dtype, size, nesting depth
+//     and byte count is checked before use, and any violation throws
+//     RpcError(kMalformedMessage) without crashing or over-allocating.
+//  4. Nothing is executed while decoding; extensions only rebuild values.
+
+// Nesting deeper than this is refused (both ways).
+constexpr int kMaxValueDepth = 64;
+
+// Encodes the values of one outgoing message. Tensors are collected in order;
+// descriptors are written to the envelope given to finish().
+class ValueEncoder {
+ public:
+  // deviceMap: where this message's tensors land at the receiver; nullptr
+  // means CPU only. extensions may be nullptr.
+  ValueEncoder(
+      int64_t toWorker,
+      const DeviceMap* deviceMap,
+      const std::vector<ValueExtension>* extensions);
+
+  // Throws RpcError(kBadArguments) for a value that cannot be sent (an
+  // unsupported kind or dtype, a device without a device map entry).
+  void encode(const c10::IValue& value, wire::Value* out);
+
+  // Writes the tensor descriptors into envelope and moves out the tensors to
+  // give the transport (contiguous CPU tensors).
+  std::vector<at::Tensor> finish(wire::Envelope* envelope) &&;
+
+ private:
+  void encodeAt(const c10::IValue& value, wire::Value* out, int depth);
+  uint32_t addTensor(const at::Tensor& tensor);
+
+  int64_t toWorker_;
+  const DeviceMap* deviceMap_;
+  const std::vector<ValueExtension>* extensions_;
+  std::vector<wire::TensorDesc> descs_;
+  std::vector<at::Tensor> tensors_;
+};
+
+// Decodes the values of one incoming message.
+class ValueDecoder {
+ public:
+  // Validates every descriptor against the wire tensors (kByte, 1-D, as the
+  // transport delivers them) and rebuilds the typed tensors. Throws
+  // RpcError(kMalformedMessage) on any mismatch.
+  ValueDecoder(
+      int64_t fromWorker,
+      const wire::Envelope& envelope,
+      std::vector<at::Tensor> wireTensors,
+      const std::vector<ValueExtension>* extensions);
+
+  // The rebuilt tensors, in descriptor order. Receive hooks may replace them
+  // (same count) before values are decoded.
+  std::vector<at::Tensor>& tensors() {
+    return tensors_;
+  }
+
+  // Throws RpcError(kMalformedMessage) on anything invalid.
+  c10::IValue decode(const wire::Value& value);
+
+ private:
+  c10::IValue decodeAt(const wire::Value& value, int depth);
+
+  int64_t fromWorker_;
+  const std::vector<ValueExtension>* extensions_;
+  std::vector<at::Tensor> tensors_;
+};
+
+} // namespace detail
+} // namespace rpc
+} // namespace torchrpc

@@ -1,0 +1,99 @@
+#pragma once
+
+#include <c10/core/Device.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace c10d {
+class Store;
+} // namespace c10d
+
+namespace torchrpc {
+namespace rpc {
+
+class InProcessNetwork;
+
+// Which transport carries messages between workers.
+enum class TransportKind {
+  // TensorPipe unless an in-process network is given (then in-process).
+  kAuto,
+  // TensorPipe over TCP (its "uv" transport), optionally shared memory.
+  kTensorPipe,
+  // Workers in one process, through Options::inProcessNetwork (tests).
+  kInProcess,
+};
+
+// Maps a device on the sending worker to the device a tensor lands on at the
+// receiving worker. Responses use the inverse map.
+using DeviceMap = std::map<c10::Device, c10::Device>;
+
+// Everything a Runtime can be told. Every field has a default that works on
+// one host; README.md has the table. Options::fromEnvironment() fills rank,
+// world size and the rendezvous from the variables torchrun and Slurm set.
+struct Options {
+  // This worker's rank in [0, worldSize).
+  int64_t rank = 0;
+  int64_t worldSize = 1;
+
+  // Where workers meet: "env://" (MASTER_ADDR, MASTER_PORT; rank 0 hosts the
+  // store unless TORCHELASTIC_USE_AGENT_STORE=True), "tcp://host:port"
+  // (rank 0 hosts), or "file://path". Ignored when `store` is set.
+  std::string initMethod = "env://";
+  // A store to rendezvous through instead of initMethod (e.g. a HashStore
+  // shared by several runtimes of one process).
+  c10::intrusive_ptr<c10d::Store> store;
+  // How long start() waits for every worker to appear.
+  std::chrono::milliseconds rendezvousTimeout{std::chrono::minutes(5)};
+
+  // Threads that run handlers and continuations.
+  size_t numWorkerThreads = 4;
+  // Deadline of a call that does not set its own; zero means none.
+  std::chrono::milliseconds defaultTimeout{std::chrono::seconds(60)};
+  // How long a graceful shutdown waits for the other workers before it
+  // gives up and shuts down immediately.
+  std::chrono::milliseconds shutdownTimeout{std::chrono::seconds(60)};
+
+  // The address this worker listens on. Loopback unless set (or unless
+  // TORCHRPC_LISTEN_ADDR is set in fromEnvironment()).
+  std::string listenAddress = "127.0.0.1";
+
+  TransportKind transport = TransportKind::kAuto;
+  // TensorPipe transports to register, by name: "uv" (TCP) and "shm" (shared
+  // memory; lower latency on one host, but it busy-polls a core per worker).
+  std::vector<std::string> tensorpipeTransports = {"uv"};
+  // TensorPipe channels for tensor payloads, by name: "cma" (one-copy on one
+  // host), "mpt" (several TCP lanes), "basic" (through the connection).
+  // "basic" is always added: without a usable channel TensorPipe aborts.
+  std::vector<std::string> tensorpipeChannels = {"cma", "basic"};
+  // Used when transport is kInProcess (or kAuto): every runtime of the job
+  // must be given the same network.
+  std::shared_ptr<InProcessNetwork> inProcessNetwork;
+
+  // Per destination worker name: where tensors land there.
+  std::map<std::string, DeviceMap> deviceMaps;
+
+  // Caps on what a worker sends or accepts; larger messages fail with
+  // kTooLarge (sending) or close the connection (receiving).
+  size_t maxMessageBytes = size_t(16) << 30;
+  size_t maxHeaderBytes = size_t(64) << 20;
+  size_t maxTensorsPerMessage = 1 << 16;
+
+  // Let callers run dispatcher operators by schema name ("aten::add.Tensor").
+  bool allowBuiltinOperators = true;
+
+  // Reads RANK, WORLD_SIZE, MASTER_ADDR/MASTER_PORT (init method env://),
+  // TORCHRPC_INIT_METHOD, TORCHRPC_LISTEN_ADDR, TORCHRPC_NUM_THREADS,
+  // TORCHRPC_TIMEOUT_MS and TORCHRPC_TRANSPORT ("tensorpipe", "tensorpipe-shm").
+  // Missing RANK/WORLD_SIZE default to 0 and 1.
+  static Options fromEnvironment();
+};
+
+} // namespace rpc
+} // namespace torchrpc

@@ -1,0 +1,102 @@
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "rpc/errors.h"
+
+namespace torchrpc {
+namespace rpc {
+
+// What a transport carries: an opaque header (the serialized envelope) and
+// tensors whose bytes travel out of band.
+//
+// Outgoing: each tensor is a contiguous CPU tensor; its bytes
+// [data_ptr, data_ptr + nbytes) are sent, nothing else (a view sends only what
+// it covers). The tensors stay alive until the send callback has run.
+// Incoming: each tensor is a 1-D kByte CPU tensor with storage offset 0 that
+// owns exactly the bytes that were sent; the codec reinterprets it.
+struct Message {
+  std::string header;
+  std::vector<at::Tensor> tensors;
+};
+
+// Why a connection failed. kMalformedMessage when the peer sent bytes that
+// break the framing or a cap, kWorkerUnavailable when it went away.
+struct TransportError {
+  ErrorCode code = ErrorCode::kWorkerUnavailable;
+  std::string detail;
+};
+
+// Caps a transport checks before it allocates anything for an incoming
+// message. A message over a cap fails the connection with kMalformedMessage.
+struct TransportLimits {
+  size_t maxHeaderBytes = size_t(64) << 20;
+  size_t maxMessageBytes = size_t(16) << 30;
+  size_t maxTensorsPerMessage = 1 << 16;
+};
+
+// One bidirectional, ordered message stream to a peer.
+//
+// Thread model: every callback runs on a thread owned by the transport and
+// must not block; the agent hands real work to its own pool.
+class Connection {
+ public:
+  using ReceiveCallback = std::function<void(Message&&)>;
+  using ErrorCallback = std::function<void(const TransportError&)>;
+  using SendCallback = std::function<void(const TransportError* error)>;
+
+  virtual ~Connection() = default;
+
+  // Starts delivering messages, in order, to onMessage. onError runs at most
+  // once, when the connection fails or is closed by either side; no message
+  // is delivered after it. Call once.
+  virtual void start(ReceiveCallback onMessage, ErrorCallback onError) = 0;
+
+  // Queues a message; messages go out in the order send() was called. done
+  // always runs exactly once: with nullptr once the message is handed to the
+  // OS (or peer), with an error if it never will be.
+  virtual void send(Message&& message, SendCallback done) = 0;
+
+  // Fails the connection (onError runs with kWorkerUnavailable if it has not
+  // run yet). Idempotent.
+  virtual void close() = 0;
+
+  // For logs and errors: the peer's address, as far as the transport knows.
+  virtual std::string describe() const = 0;
+};
+
+// Creates connections to peers and accepts theirs. One per runtime.
+class Transport {
+ public:
+  using AcceptCallback = std::function<void(std::shared_ptr<Connection>)>;
+
+  virtual ~Transport() = default;
+
+  virtual std::string name() const = 0;
+
+  // Starts listening. Accepted connections are handed to onAccept, which
+  // must call start() on them. Whatever a peer sends, the listener keeps
+  // accepting others.
+  virtual void listen(AcceptCallback onAccept) = 0;
+
+  // The address peers pass to connect(); valid after listen().
+  virtual std::string address() const = 0;
+
+  // Opens a connection. Never blocks and never throws for an unreachable
+  // peer: failures arrive through the connection's onError.
+  virtual std::shared_ptr<Connection> connect(const std::string& address) = 0;
+
+  // Stops listening and fails every connection. Idempotent.
+  virtual void close() = 0;
+
+  // Waits for the transport's threads to finish (after close()).
+  virtual void join() = 0;
+};
+
+} // namespace rpc
+} // namespace torchrpc
