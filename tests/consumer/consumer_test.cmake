@@ -1,0 +1,32 @@
+# Registers the packaging test: install this build into a scratch prefix, then
+# configure, build and run tests/consumer against it with find_package.
+# Included from tests/CMakeLists.txt:
+#
+#   include(consumer/consumer_test.cmake)
+#
+# Skipped under SANITIZE: the installed library then needs the sanitizer
+# runtime, and the test is about packaging, not behaviour.
+if(SANITIZE STREQUAL "")
+  set(_consumerLauncher "")
+  if(CMAKE_CXX_COMPILER_LAUNCHER)
+    set(_consumerLauncher "${CMAKE_CXX_COMPILER_LAUNCHER}")
+  endif()
+  add_test(
+    NAME Packaging.ConsumerFindsInstalledTorchrpc
+    COMMAND "${CMAKE_COMMAND}"
+      "-DTORCHRPC_BUILD_DIR=${PROJECT_BINARY_DIR}"
+      "-DCONSUMER_SOURCE_DIR=${CMAKE_CURRENT_LIST_DIR}"
+      "-DWORK_DIR=${PROJECT_BINARY_DIR}/consumer_test"
+      "-DGENERATOR=${CMAKE_GENERATOR}"
+      "-DCXX_COMPILER=${CMAKE_CXX_COMPILER}"
+      "-DCXX_COMPILER_LAUNCHER=${_consumerLauncher}"
+      "-DBUILD_TYPE=${CMAKE_BUILD_TYPE}"
+      -P "${CMAKE_CURRENT_LIST_DIR}/run_consumer_test.cmake")
+  # Above ctest's default 300 s: compiling one file against libtorch's headers
+  # with a cold ccache on a loaded 2-core machine takes most of it. The steps
+  # have their own timeouts (60 + 90 + 240 + 60 s).
+  set_tests_properties(Packaging.ConsumerFindsInstalledTorchrpc PROPERTIES
+    TIMEOUT 480
+    LABELS packaging)
+  unset(_consumerLauncher)
+endif()

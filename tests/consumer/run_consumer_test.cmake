@@ -1,0 +1,65 @@
+# cmake -P script behind Packaging.ConsumerFindsInstalledTorchrpc (registered
+# in consumer_test.cmake). Every step has a timeout; the first failing step
+# fails the test with its output.
+#
+# Inputs: TORCHRPC_BUILD_DIR, CONSUMER_SOURCE_DIR, WORK_DIR, GENERATOR,
+# CXX_COMPILER, CXX_COMPILER_LAUNCHER (may be empty), BUILD_TYPE.
+cmake_minimum_required(VERSION 3.18)
+
+foreach(var TORCHRPC_BUILD_DIR CONSUMER_SOURCE_DIR WORK_DIR GENERATOR)
+  if(NOT DEFINED ${var} OR "${${var}}" STREQUAL "")
+    message(FATAL_ERROR "run_consumer_test.cmake: ${var} is not set")
+  endif()
+endforeach()
+if(NOT BUILD_TYPE)
+  set(BUILD_TYPE Release)
+endif()
+
+set(prefix "${WORK_DIR}/prefix")
+set(build "${WORK_DIR}/build")
+# Start clean: a header left over from an earlier install must not hide one
+# that is no longer installed.
+file(REMOVE_RECURSE "${prefix}" "${build}")
+file(MAKE_DIRECTORY "${WORK_DIR}")
+
+function(step name timeout)
+  message(STATUS "consumer test: ${name}")
+  execute_process(
+    COMMAND ${ARGN}
+    RESULT_VARIABLE result
+    OUTPUT_VARIABLE output
+    ERROR_VARIABLE output
+    TIMEOUT ${timeout})
+  if(NOT result EQUAL 0)
+    message(FATAL_ERROR
+      "consumer test: ${name} failed (${result}):\n${output}")
+  endif()
+endfunction()
+
+step("install into ${prefix}" 60
+  "${CMAKE_COMMAND}" --install "${TORCHRPC_BUILD_DIR}" --prefix "${prefix}")
+
+if(EXISTS "${prefix}/include/torchrpc/rpc/detail")
+  message(FATAL_ERROR "consumer test: private headers (rpc/detail/) were installed")
+endif()
+
+set(configureArgs
+  -S "${CONSUMER_SOURCE_DIR}" -B "${build}" -G "${GENERATOR}"
+  "-DCMAKE_PREFIX_PATH=${prefix}"
+  "-DCMAKE_BUILD_TYPE=${BUILD_TYPE}")
+if(CXX_COMPILER)
+  list(APPEND configureArgs "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}")
+endif()
+if(CXX_COMPILER_LAUNCHER)
+  list(APPEND configureArgs "-DCMAKE_CXX_COMPILER_LAUNCHER=${CXX_COMPILER_LAUNCHER}")
+endif()
+step("configure ${CONSUMER_SOURCE_DIR}" 90 "${CMAKE_COMMAND}" ${configureArgs})
+
+step("build" 240 "${CMAKE_COMMAND}" --build "${build}" -j 1)
+
+set(consumer "${build}/consumer")
+if(NOT EXISTS "${consumer}")
+  message(FATAL_ERROR "consumer test: ${consumer} was not built")
+endif()
+step("run ${consumer}" 60 "${consumer}")
+message(STATUS "consumer test: passed")

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Configures, builds and tests torchrpc: the one test command that README.md
+# gives and .ci/run runs.
+#
+#   bash tools/test.sh
+#
+# Release build in ./build (BUILD_DIR overrides), Ninja when installed,
+# ccache in ~/.cache/ccache (CCACHE_DIR overrides), JOBS=2 parallel jobs.
+# Exits non-zero when the build or any test fails; prints ctest's summary last.
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="${BUILD_DIR:-${repo}/build}"
+jobs="${JOBS:-2}"
+export CCACHE_DIR="${CCACHE_DIR:-${HOME:-/tmp}/.cache/ccache}"
+mkdir -p "${CCACHE_DIR}"
+
+configure=(cmake -S "${repo}" -B "${build}" -DCMAKE_BUILD_TYPE=Release)
+# An existing build tree keeps its generator; CMake refuses to switch it.
+if [[ ! -f "${build}/CMakeCache.txt" ]] && command -v ninja >/dev/null; then
+  configure+=(-G Ninja)
+fi
+
+start=${SECONDS}
+"${configure[@]}"
+cmake --build "${build}" -j "${jobs}"
+echo "test.sh: configured and built in $((SECONDS - start)) s"
+
+log="${build}/ctest.log"
+status=0
+ctest --test-dir "${build}" --output-on-failure -j "${jobs}" --timeout 300 \
+  2>&1 | tee "${log}" || status=$?
+echo "test.sh: $(grep -E 'tests passed|No tests were found' "${log}" | tail -1 || echo 'ctest printed no summary')"
+echo "test.sh: total $((SECONDS - start)) s"
+exit "${status}"
