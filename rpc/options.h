@@ -2,6 +2,7 @@
 
 #include <c10/core/Device.h>
 #include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
 #include <cstddef>
@@ -10,10 +11,6 @@
 #include <memory>
 #include <string>
 #include <vector>
-
-namespace c10d {
-class Store;
-} // namespace c10d
 
 namespace torchrpc {
 namespace rpc {
@@ -30,9 +27,16 @@ enum class TransportKind {
   kInProcess,
 };
 
+// Orders devices for DeviceMap: c10::Device has no operator<.
+struct DeviceLess {
+  bool operator()(const c10::Device& a, const c10::Device& b) const {
+    return a.type() != b.type() ? a.type() < b.type() : a.index() < b.index();
+  }
+};
+
 // Maps a device on the sending worker to the device a tensor lands on at the
 // receiving worker. Responses use the inverse map.
-using DeviceMap = std::map<c10::Device, c10::Device>;
+using DeviceMap = std::map<c10::Device, c10::Device, DeviceLess>;
 
 // Everything a Runtime can be told. Every field has a default that works on
 // one host; README.md has the table. Options::fromEnvironment() fills rank,

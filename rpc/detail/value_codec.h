@@ -51,6 +51,12 @@ class ValueEncoder {
   // unsupported kind or dtype, a device without a device map entry).
   void encode(const c10::IValue& value, wire::Value* out);
 
+  // The tensors as the caller gave them (not detached or compacted), in
+  // wire order: what send hooks see.
+  const std::vector<at::Tensor>& originalTensors() const {
+    return originals_;
+  }
+
   // Writes the tensor descriptors into envelope and moves out the tensors to
   // give the transport (contiguous CPU tensors).
   std::vector<at::Tensor> finish(wire::Envelope* envelope) &&;
@@ -64,6 +70,7 @@ class ValueEncoder {
   const std::vector<ValueExtension>* extensions_;
   std::vector<wire::TensorDesc> descs_;
   std::vector<at::Tensor> tensors_;
+  std::vector<at::Tensor> originals_;
 };
 
 // Decodes the values of one incoming message.

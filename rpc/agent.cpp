@@ -1,0 +1,1074 @@
+#include "rpc/agent.h"
+
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <c10/core/thread_pool.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "proto/rpc/envelope.pb.h"
+#include "rpc/detail/value_codec.h"
+
+namespace torchrpc {
+namespace rpc {
+
+namespace {
+
+// Bumped on incompatible changes of the envelope; see Note [Wire format].
+constexpr uint32_t kWireVersion = 1;
+
+using Clock = std::chrono::steady_clock;
+
+const DeviceMap* mapOrNull(const DeviceMap& map) {
+  return map.empty() ? nullptr : &map;
+}
+
+} // namespace
+
+// One connection as the agent tracks it. Outgoing connections carry our
+// requests to `peer` and their responses back; incoming ones carry a peer's
+// requests and our responses.
+struct AgentConnection {
+  std::shared_ptr<Connection> connection;
+  bool outgoing = false;
+  int64_t peer = -1; // known for outgoing connections only
+};
+
+struct PendingCall {
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  std::shared_ptr<AgentConnection> via;
+  std::string peerName;
+  std::string what;
+  Clock::time_point deadline = Clock::time_point::max();
+};
+
+class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
+ public:
+  AgentImpl(
+      WorkerInfo self,
+      const Options& options,
+      std::unique_ptr<Transport> transport)
+      : self_(std::move(self)),
+        options_(options),
+        transport_(std::move(transport)),
+        pool_(std::max<size_t>(1, options.numWorkerThreads)),
+        timerWork_(boost::asio::make_work_guard(timerContext_)),
+        timer_(timerContext_) {
+    timerThread_ = std::thread([this]() { timerContext_.run(); });
+  }
+
+  ~AgentImpl() {
+    // join() has run (Agent's destructor makes sure); the timer thread and
+    // the pool may still need to be stopped if join() timed out.
+    timerWork_.reset();
+    timerContext_.stop();
+    if (timerThread_.joinable()) {
+      timerThread_.join();
+    }
+  }
+
+  // ---- registration ------------------------------------------------------
+
+  void registerHandler(uint32_t kind, std::string name, RequestHandler h) {
+    TORCH_CHECK(!listening_, "handlers must be registered before start()");
+    TORCH_CHECK(h, "handler for message kind ", kind, " is empty");
+    bool inserted =
+        handlers_.emplace(kind, HandlerEntry{std::move(name), std::move(h)})
+            .second;
+    TORCH_CHECK(inserted, "message kind ", kind, " is already registered");
+  }
+
+  void addHook(MessageHook hook) {
+    TORCH_CHECK(!listening_, "hooks must be added before start()");
+    for (const auto& existing : hooks_) {
+      TORCH_CHECK(
+          existing.name != hook.name,
+          "a hook named '",
+          hook.name,
+          "' is already added");
+    }
+    hooks_.push_back(std::move(hook));
+  }
+
+  void addValueExtension(ValueExtension extension) {
+    TORCH_CHECK(!listening_, "value extensions must be added before start()");
+    for (const auto& existing : extensions_) {
+      TORCH_CHECK(
+          existing.kind != extension.kind,
+          "a value extension of kind '",
+          extension.kind,
+          "' is already added");
+    }
+    extensions_.push_back(std::move(extension));
+  }
+
+  // ---- start-up ----------------------------------------------------------
+
+  std::string listen() {
+    listening_ = true;
+    std::weak_ptr<AgentImpl> weak = shared_from_this();
+    transport_->listen([weak](std::shared_ptr<Connection> connection) {
+      if (auto self = weak.lock()) {
+        self->adopt(std::move(connection), /*outgoing=*/false, -1);
+      } else {
+        connection->close();
+      }
+    });
+    return transport_->address();
+  }
+
+  void setWorkers(
+      std::vector<WorkerInfo> workers,
+      std::vector<std::string> addresses,
+      std::map<int64_t, DeviceMap> peerMapsTowardsUs) {
+    TORCH_CHECK(workers.size() == addresses.size());
+    for (const auto& worker : workers) {
+      auto it = options_.deviceMaps.find(worker.name);
+      if (it != options_.deviceMaps.end()) {
+        requestMaps_[worker.id] = it->second;
+      }
+    }
+    for (auto& entry : peerMapsTowardsUs) {
+      DeviceMap inverse;
+      for (const auto& pair : entry.second) {
+        inverse.emplace(pair.second, pair.first);
+      }
+      responseMaps_[entry.first] = std::move(inverse);
+    }
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      workers_ = std::move(workers);
+      addresses_ = std::move(addresses);
+      workersReady_ = true;
+    }
+    workersReadyCv_.notify_all();
+  }
+
+  const std::vector<WorkerInfo>& workers() const {
+    return workers_;
+  }
+
+  const WorkerInfo* find(const WorkerRef& ref) const {
+    if (!ref.byName()) {
+      if (ref.id() >= 0 && ref.id() < static_cast<int64_t>(workers_.size())) {
+        return &workers_[ref.id()];
+      }
+      return nullptr;
+    }
+    for (const auto& worker : workers_) {
+      if (worker.name == ref.name()) {
+        return &worker;
+      }
+    }
+    return nullptr;
+  }
+
+  // ---- sending requests --------------------------------------------------
+
+  c10::intrusive_ptr<c10::ivalue::Future> send(
+      const WorkerRef& to,
+      OutgoingRequest request) {
+    auto future = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+    const WorkerInfo* peer = workersReady_ ? find(to) : nullptr;
+    if (refusingCalls_ || closed_) {
+      future->setError(makeRpcError(
+          ErrorCode::kShuttingDown,
+          peer ? peer->name : to.describe(),
+          request.what,
+          0,
+          "the runtime of '" + self_.name + "' is shutting down"));
+      return future;
+    }
+    if (peer == nullptr) {
+      future->setError(makeRpcError(
+          ErrorCode::kWorkerUnavailable,
+          to.describe(),
+          request.what,
+          0,
+          workersReady_ ? "no such worker in this job"
+                        : "the runtime has not started"));
+      return future;
+    }
+    uint64_t id = nextMessageId_.fetch_add(1);
+    Message message;
+    try {
+      message = encodeRequest(*peer, id, request);
+    } catch (const RpcError& e) {
+      future->setError(makeRpcError(
+          e.code(), peer->name, request.what, id, e.detail()));
+      return future;
+    } catch (const std::exception& e) {
+      future->setError(makeRpcError(
+          ErrorCode::kInternal, peer->name, request.what, id, e.what()));
+      return future;
+    }
+
+    auto via = outgoingConnection(*peer);
+    PendingCall call;
+    call.future = future;
+    call.via = via;
+    call.peerName = peer->name;
+    call.what = std::move(request.what);
+    if (request.timeout.count() > 0) {
+      call.deadline = Clock::now() + request.timeout;
+    }
+    bool armTimer = false;
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      if (call.deadline != Clock::time_point::max()) {
+        deadlines_.emplace(call.deadline, id);
+        if (call.deadline < armedFor_) {
+          armedFor_ = call.deadline;
+          armTimer = true;
+        }
+      }
+      pending_.emplace(id, std::move(call));
+      ++requestsSent_;
+    }
+    if (armTimer) {
+      rearmTimer();
+    }
+    std::weak_ptr<AgentImpl> weak = shared_from_this();
+    via->connection->send(
+        std::move(message), [weak, id](const TransportError* error) {
+          if (error == nullptr) {
+            return;
+          }
+          if (auto self = weak.lock()) {
+            self->failPending(id, error->code, error->detail);
+          }
+        });
+    return future;
+  }
+
+  // ---- receiving ---------------------------------------------------------
+
+  void adopt(
+      std::shared_ptr<Connection> connection,
+      bool outgoing,
+      int64_t peer) {
+    auto state = std::make_shared<AgentConnection>();
+    state->connection = std::move(connection);
+    state->outgoing = outgoing;
+    state->peer = peer;
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      if (closed_) {
+        state->connection->close();
+        return;
+      }
+      connections_.insert(state);
+    }
+    startConnection(state);
+  }
+
+  void startConnection(const std::shared_ptr<AgentConnection>& state) {
+    std::weak_ptr<AgentImpl> weak = shared_from_this();
+    std::weak_ptr<AgentConnection> weakState = state;
+    state->connection->start(
+        [weak, weakState](Message&& message) {
+          auto self = weak.lock();
+          auto conn = weakState.lock();
+          if (!self || !conn) {
+            return;
+          }
+          // Never decode or run anything on the transport's thread.
+          auto shared = std::make_shared<Message>(std::move(message));
+          self->pool_.run([weak, conn, shared]() {
+            if (auto self = weak.lock()) {
+              self->onMessage(conn, std::move(*shared));
+            }
+          });
+        },
+        [weak, weakState](const TransportError& error) {
+          auto self = weak.lock();
+          auto conn = weakState.lock();
+          if (self && conn) {
+            self->onConnectionError(conn, error);
+          }
+        });
+  }
+
+  void onMessage(
+      const std::shared_ptr<AgentConnection>& conn,
+      Message&& message) {
+    wire::Envelope envelope;
+    if (message.header.size() > options_.maxHeaderBytes ||
+        !envelope.ParseFromString(message.header) ||
+        envelope.version() != kWireVersion) {
+      // Nothing on this connection can be trusted any more; see STYLE.md on
+      // errors: close this one pipe, keep serving everyone else.
+      malformedMessages_.fetch_add(1);
+      LOG(WARNING) << self_.name << ": closing connection from "
+                   << conn->connection->describe()
+                   << ": message header does not decode";
+      conn->connection->close();
+      return;
+    }
+    if (envelope.is_response()) {
+      onResponse(conn, envelope, std::move(message.tensors));
+    } else {
+      onRequest(conn, envelope, std::move(message.tensors));
+    }
+  }
+
+  void onRequest(
+      const std::shared_ptr<AgentConnection>& conn,
+      const wire::Envelope& envelope,
+      std::vector<at::Tensor>&& tensors) {
+    uint64_t id = envelope.id();
+    if (conn->outgoing) {
+      // Our outgoing connections carry responses only.
+      malformedMessages_.fetch_add(1);
+      conn->connection->close();
+      return;
+    }
+    if (!waitForWorkers()) {
+      replyError(
+          conn,
+          envelope,
+          nullptr,
+          ErrorCode::kShuttingDown,
+          "",
+          "the callee never finished starting");
+      return;
+    }
+    const WorkerInfo* from = find(WorkerRef(envelope.from_worker()));
+    auto handler = handlers_.find(envelope.kind());
+    std::string what = handler == handlers_.end()
+        ? "message kind " + std::to_string(envelope.kind())
+        : handler->second.name;
+    if (envelope.kind() == kCallMessageKind) {
+      what = envelope.body();
+    }
+    if (from == nullptr) {
+      malformedMessages_.fetch_add(1);
+      replyError(
+          conn,
+          envelope,
+          nullptr,
+          ErrorCode::kMalformedMessage,
+          what,
+          "request from unknown worker id " +
+              std::to_string(envelope.from_worker()));
+      return;
+    }
+    if (handler == handlers_.end()) {
+      replyError(
+          conn,
+          envelope,
+          from,
+          ErrorCode::kUnknownFunction,
+          what,
+          "no handler for message kind " + std::to_string(envelope.kind()));
+      return;
+    }
+
+    Request request;
+    request.from = *from;
+    request.id = id;
+    request.kind = envelope.kind();
+    try {
+      request.values =
+          decodeValues(*from, envelope, std::move(tensors), /*response=*/false);
+    } catch (const std::exception& e) {
+      malformedMessages_.fetch_add(1);
+      replyError(
+          conn,
+          envelope,
+          from,
+          ErrorCode::kMalformedMessage,
+          what,
+          describeException(std::current_exception()));
+      return;
+    }
+    request.body = envelope.body();
+
+    c10::intrusive_ptr<c10::ivalue::Future> result;
+    try {
+      result = handler->second.handler(std::move(request));
+    } catch (...) {
+      result = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+      result->setError(std::current_exception());
+    }
+    ++requestsServed_;
+    std::weak_ptr<AgentImpl> weak = shared_from_this();
+    int64_t fromId = from->id;
+    uint32_t kind = envelope.kind();
+    result->addCallback([weak, conn, id, kind, fromId, what](
+                            c10::ivalue::Future& done) {
+      if (auto self = weak.lock()) {
+        self->reply(conn, id, kind, fromId, what, done);
+      }
+    });
+  }
+
+  void onResponse(
+      const std::shared_ptr<AgentConnection>& conn,
+      const wire::Envelope& envelope,
+      std::vector<at::Tensor>&& tensors) {
+    PendingCall call;
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      auto it = pending_.find(envelope.id());
+      if (it == pending_.end() || it->second.via != conn) {
+        // Timed out, or failed already; nobody waits for it.
+        return;
+      }
+      call = std::move(it->second);
+      eraseLocked(it);
+    }
+    const auto& status = envelope.status();
+    if (status.code() != 0) {
+      auto code = static_cast<ErrorCode>(status.code());
+      if (status.code() > static_cast<uint32_t>(ErrorCode::kInternal)) {
+        code = ErrorCode::kRemoteException;
+      }
+      call.future->setError(makeRpcError(
+          code,
+          status.worker().empty() ? call.peerName : status.worker(),
+          status.function().empty() ? call.what : status.function(),
+          envelope.id(),
+          status.message()));
+      return;
+    }
+    c10::IValue value;
+    try {
+      const WorkerInfo& peer = workers_.at(conn->peer);
+      auto values =
+          decodeValues(peer, envelope, std::move(tensors), /*response=*/true);
+      if (values.size() > 1) {
+        throw RpcError(
+            ErrorCode::kMalformedMessage,
+            "",
+            "",
+            0,
+            "a response carries at most one value");
+      }
+      if (!values.empty()) {
+        value = std::move(values[0]);
+      }
+    } catch (...) {
+      malformedMessages_.fetch_add(1);
+      call.future->setError(makeRpcError(
+          ErrorCode::kMalformedMessage,
+          call.peerName,
+          call.what,
+          envelope.id(),
+          "response does not decode: " +
+              describeException(std::current_exception())));
+      return;
+    }
+    call.future->markCompleted(std::move(value));
+  }
+
+  void onConnectionError(
+      const std::shared_ptr<AgentConnection>& conn,
+      const TransportError& error) {
+    std::vector<PendingCall> failed;
+    std::vector<uint64_t> failedIds;
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      connections_.erase(conn);
+      if (conn->outgoing) {
+        auto link = outgoing_.find(conn->peer);
+        if (link != outgoing_.end() && link->second == conn) {
+          outgoing_.erase(link);
+        }
+      }
+      for (auto it = pending_.begin(); it != pending_.end();) {
+        if (it->second.via == conn) {
+          failedIds.push_back(it->first);
+          failed.push_back(std::move(it->second));
+          it = eraseLocked(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    ErrorCode code = closed_ ? closeCode_.load() : error.code;
+    if (code == ErrorCode::kMalformedMessage) {
+      malformedMessages_.fetch_add(1);
+    }
+    for (size_t i = 0; i < failed.size(); ++i) {
+      failed[i].future->setErrorIfNeeded(makeRpcError(
+          code,
+          failed[i].peerName,
+          failed[i].what,
+          failedIds[i],
+          closed_ ? "the runtime of '" + self_.name + "' shut down"
+                  : "connection lost: " + error.detail));
+    }
+  }
+
+  // ---- shutdown ----------------------------------------------------------
+
+  bool waitForNoPendingCalls(Clock::time_point deadline) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    return idleCv_.wait_until(lock, deadline, [this]() {
+      return pending_.empty();
+    });
+  }
+
+  void refuseNewCalls() {
+    refusingCalls_ = true;
+  }
+
+  void close(ErrorCode code) {
+    std::vector<PendingCall> failed;
+    std::vector<uint64_t> failedIds;
+    std::unordered_set<std::shared_ptr<AgentConnection>> connections;
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      if (closed_) {
+        return;
+      }
+      closeCode_ = code;
+      closed_ = true;
+      for (auto it = pending_.begin(); it != pending_.end();) {
+        failedIds.push_back(it->first);
+        failed.push_back(std::move(it->second));
+        it = eraseLocked(it);
+      }
+      connections.swap(connections_);
+      outgoing_.clear();
+    }
+    workersReadyCv_.notify_all();
+    for (size_t i = 0; i < failed.size(); ++i) {
+      failed[i].future->setErrorIfNeeded(makeRpcError(
+          code,
+          failed[i].peerName,
+          failed[i].what,
+          failedIds[i],
+          "the runtime of '" + self_.name + "' shut down before a reply came"));
+    }
+    for (const auto& conn : connections) {
+      conn->connection->close();
+    }
+    transport_->close();
+  }
+
+  void join() {
+    transport_->join();
+    pool_.waitWorkComplete();
+    timerWork_.reset();
+    timerContext_.stop();
+    if (timerThread_.joinable()) {
+      timerThread_.join();
+    }
+  }
+
+  AgentCounters counters() const {
+    AgentCounters out;
+    std::lock_guard<std::mutex> guard(mutex_);
+    out.pendingCalls = pending_.size();
+    out.connections = connections_.size();
+    out.requestsSent = requestsSent_;
+    out.requestsServed = requestsServed_;
+    out.malformedMessages = malformedMessages_.load();
+    return out;
+  }
+
+  c10::TaskThreadPoolBase& threadPool() {
+    return pool_;
+  }
+
+  const WorkerInfo& self() const {
+    return self_;
+  }
+
+ private:
+  struct HandlerEntry {
+    std::string name;
+    RequestHandler handler;
+  };
+
+  using PendingMap = std::unordered_map<uint64_t, PendingCall>;
+
+  PendingMap::iterator eraseLocked(PendingMap::iterator it) {
+    if (it->second.deadline != Clock::time_point::max()) {
+      deadlines_.erase({it->second.deadline, it->first});
+    }
+    auto next = pending_.erase(it);
+    if (pending_.empty()) {
+      idleCv_.notify_all();
+    }
+    return next;
+  }
+
+  void failPending(uint64_t id, ErrorCode code, const std::string& detail) {
+    PendingCall call;
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      auto it = pending_.find(id);
+      if (it == pending_.end()) {
+        return;
+      }
+      call = std::move(it->second);
+      eraseLocked(it);
+    }
+    call.future->setErrorIfNeeded(
+        makeRpcError(code, call.peerName, call.what, id, detail));
+  }
+
+  bool waitForWorkers() {
+    if (workersReady_) {
+      return true;
+    }
+    std::unique_lock<std::mutex> lock(mutex_);
+    workersReadyCv_.wait_for(lock, options_.rendezvousTimeout, [this]() {
+      return workersReady_ || closed_;
+    });
+    return workersReady_ && !closed_;
+  }
+
+  std::shared_ptr<AgentConnection> outgoingConnection(const WorkerInfo& peer) {
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      auto it = outgoing_.find(peer.id);
+      if (it != outgoing_.end()) {
+        return it->second;
+      }
+    }
+    // Connect outside mutex_: a transport may run callbacks that take it.
+    std::lock_guard<std::mutex> connecting(connectMutex_);
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      auto it = outgoing_.find(peer.id);
+      if (it != outgoing_.end()) {
+        return it->second;
+      }
+    }
+    auto state = std::make_shared<AgentConnection>();
+    state->connection = transport_->connect(addresses_.at(peer.id));
+    state->outgoing = true;
+    state->peer = peer.id;
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      outgoing_[peer.id] = state;
+      connections_.insert(state);
+    }
+    startConnection(state);
+    return state;
+  }
+
+  // ---- encoding ----------------------------------------------------------
+
+  Message encodeMessage(
+      wire::Envelope& envelope,
+      const WorkerInfo& peer,
+      const std::vector<c10::IValue>& values,
+      const DeviceMap* deviceMap) {
+    detail::ValueEncoder encoder(peer.id, deviceMap, &extensions_);
+    for (const auto& value : values) {
+      encoder.encode(value, envelope.add_values());
+    }
+    Message message;
+    std::vector<at::Tensor> originals;
+    if (!hooks_.empty()) {
+      originals = encoder.originalTensors();
+    }
+    message.tensors = std::move(encoder).finish(&envelope);
+    if (!hooks_.empty()) {
+      HookContext context{
+          peer, envelope.kind(), envelope.id(), envelope.is_response()};
+      for (const auto& hook : hooks_) {
+        if (!hook.onSend) {
+          continue;
+        }
+        std::string metadata;
+        hook.onSend(context, originals, &metadata);
+        if (!metadata.empty()) {
+          (*envelope.mutable_metadata())[hook.name] = std::move(metadata);
+        }
+      }
+    }
+    size_t total = 0;
+    for (const auto& tensor : message.tensors) {
+      total += tensor.nbytes();
+    }
+    if (message.tensors.size() > options_.maxTensorsPerMessage) {
+      throw RpcError(
+          ErrorCode::kTooLarge,
+          "",
+          "",
+          0,
+          "message has " + std::to_string(message.tensors.size()) +
+              " tensors, the cap is " +
+              std::to_string(options_.maxTensorsPerMessage));
+    }
+    message.header = envelope.SerializeAsString();
+    total += message.header.size();
+    if (message.header.size() > options_.maxHeaderBytes ||
+        total > options_.maxMessageBytes) {
+      throw RpcError(
+          ErrorCode::kTooLarge,
+          "",
+          "",
+          0,
+          "message of " + std::to_string(total) + " bytes exceeds the cap (" +
+              std::to_string(options_.maxMessageBytes) + " bytes, header " +
+              std::to_string(options_.maxHeaderBytes) + ")");
+    }
+    return message;
+  }
+
+  Message encodeRequest(
+      const WorkerInfo& peer,
+      uint64_t id,
+      const OutgoingRequest& request) {
+    wire::Envelope envelope;
+    envelope.set_version(kWireVersion);
+    envelope.set_id(id);
+    envelope.set_kind(request.kind);
+    envelope.set_from_worker(self_.id);
+    envelope.set_timeout_ms(request.timeout.count());
+    envelope.set_body(request.body);
+    auto map = requestMaps_.find(peer.id);
+    return encodeMessage(
+        envelope,
+        peer,
+        request.values,
+        map == requestMaps_.end() ? nullptr : mapOrNull(map->second));
+  }
+
+  std::vector<c10::IValue> decodeValues(
+      const WorkerInfo& peer,
+      const wire::Envelope& envelope,
+      std::vector<at::Tensor>&& tensors,
+      bool response) {
+    detail::ValueDecoder decoder(
+        peer.id, envelope, std::move(tensors), &extensions_);
+    if (!hooks_.empty()) {
+      HookContext context{peer, envelope.kind(), envelope.id(), response};
+      size_t count = decoder.tensors().size();
+      for (const auto& hook : hooks_) {
+        if (!hook.onReceive) {
+          continue;
+        }
+        auto it = envelope.metadata().find(hook.name);
+        hook.onReceive(
+            context,
+            decoder.tensors(),
+            it == envelope.metadata().end() ? nullptr : &it->second);
+        TORCH_CHECK(
+            decoder.tensors().size() == count,
+            "hook '",
+            hook.name,
+            "' changed the number of tensors");
+      }
+    }
+    std::vector<c10::IValue> values;
+    values.reserve(envelope.values_size());
+    for (const auto& value : envelope.values()) {
+      values.push_back(decoder.decode(value));
+    }
+    return values;
+  }
+
+  // ---- replying ----------------------------------------------------------
+
+  void reply(
+      const std::shared_ptr<AgentConnection>& conn,
+      uint64_t id,
+      uint32_t kind,
+      int64_t fromId,
+      const std::string& what,
+      c10::ivalue::Future& done) {
+    wire::Envelope envelope;
+    envelope.set_version(kWireVersion);
+    envelope.set_id(id);
+    envelope.set_kind(kind);
+    envelope.set_is_response(true);
+    envelope.set_from_worker(self_.id);
+    const WorkerInfo& peer = workers_.at(fromId);
+    Message message;
+    if (done.hasError()) {
+      fillStatus(envelope, done.exception_ptr(), what);
+      message.header = envelope.SerializeAsString();
+    } else {
+      try {
+        auto map = responseMaps_.find(fromId);
+        message = encodeMessage(
+            envelope,
+            peer,
+            {done.value()},
+            map == responseMaps_.end() ? nullptr : mapOrNull(map->second));
+      } catch (...) {
+        wire::Envelope failure;
+        failure.set_version(kWireVersion);
+        failure.set_id(id);
+        failure.set_kind(kind);
+        failure.set_is_response(true);
+        failure.set_from_worker(self_.id);
+        fillStatus(failure, std::current_exception(), what);
+        message = Message();
+        message.header = failure.SerializeAsString();
+      }
+    }
+    conn->connection->send(std::move(message), [](const TransportError*) {
+      // The caller learns of a lost reply through its own connection.
+    });
+  }
+
+  void fillStatus(
+      wire::Envelope& envelope,
+      const std::exception_ptr& error,
+      const std::string& what) {
+    auto* status = envelope.mutable_status();
+    try {
+      std::rethrow_exception(error);
+    } catch (const RpcError& e) {
+      status->set_code(static_cast<uint32_t>(e.code()));
+      status->set_message(e.detail());
+      status->set_worker(e.worker().empty() ? self_.name : e.worker());
+      status->set_function(e.function().empty() ? what : e.function());
+      return;
+    } catch (...) {
+    }
+    status->set_code(static_cast<uint32_t>(ErrorCode::kRemoteException));
+    status->set_message(describeException(error));
+    status->set_worker(self_.name);
+    status->set_function(what);
+  }
+
+  void replyError(
+      const std::shared_ptr<AgentConnection>& conn,
+      const wire::Envelope& request,
+      const WorkerInfo* from,
+      ErrorCode code,
+      const std::string& what,
+      const std::string& detail) {
+    wire::Envelope envelope;
+    envelope.set_version(kWireVersion);
+    envelope.set_id(request.id());
+    envelope.set_kind(request.kind());
+    envelope.set_is_response(true);
+    envelope.set_from_worker(self_.id);
+    auto* status = envelope.mutable_status();
+    status->set_code(static_cast<uint32_t>(code));
+    status->set_message(detail);
+    status->set_worker(self_.name);
+    status->set_function(what);
+    Message message;
+    message.header = envelope.SerializeAsString();
+    conn->connection->send(std::move(message), [](const TransportError*) {});
+  }
+
+  // ---- timeouts ----------------------------------------------------------
+  //
+  // One steady_timer on the agent's io_context, armed for the earliest
+  // deadline; completing a call only erases its deadline, so the hot path
+  // never touches the timer. The handler runs on the timer thread, takes
+  // what expired and re-arms for what remains.
+
+  void rearmTimer() {
+    std::weak_ptr<AgentImpl> weak = shared_from_this();
+    boost::asio::post(timerContext_, [weak]() {
+      if (auto self = weak.lock()) {
+        self->armTimerFromLoop();
+      }
+    });
+  }
+
+  void armTimerFromLoop() {
+    Clock::time_point next;
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      if (deadlines_.empty()) {
+        armedFor_ = Clock::time_point::max();
+        return;
+      }
+      next = deadlines_.begin()->first;
+      armedFor_ = next;
+    }
+    timer_.expires_at(next);
+    std::weak_ptr<AgentImpl> weak = shared_from_this();
+    timer_.async_wait([weak](const boost::system::error_code& ec) {
+      if (ec) {
+        return; // re-armed or stopped
+      }
+      if (auto self = weak.lock()) {
+        self->expireFromLoop();
+      }
+    });
+  }
+
+  void expireFromLoop() {
+    std::vector<PendingCall> expired;
+    std::vector<uint64_t> expiredIds;
+    auto now = Clock::now();
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
+        uint64_t id = deadlines_.begin()->second;
+        auto it = pending_.find(id);
+        if (it == pending_.end()) {
+          deadlines_.erase(deadlines_.begin());
+          continue;
+        }
+        expiredIds.push_back(id);
+        expired.push_back(std::move(it->second));
+        eraseLocked(it);
+      }
+    }
+    for (size_t i = 0; i < expired.size(); ++i) {
+      auto& call = expired[i];
+      LOG(WARNING) << self_.name << " -> " << call.peerName << " call #"
+                   << expiredIds[i] << " (" << call.what << ") timed out";
+      call.future->setErrorIfNeeded(makeRpcError(
+          ErrorCode::kTimeout,
+          call.peerName,
+          call.what,
+          expiredIds[i],
+          "no reply before the deadline"));
+    }
+    armTimerFromLoop();
+  }
+
+  // ---- state -------------------------------------------------------------
+
+  const WorkerInfo self_;
+  const Options options_;
+  std::unique_ptr<Transport> transport_;
+
+  // Written before listen(), read-only afterwards.
+  std::unordered_map<uint32_t, HandlerEntry> handlers_;
+  std::vector<MessageHook> hooks_;
+  std::vector<ValueExtension> extensions_;
+  std::atomic<bool> listening_{false};
+
+  // Written once by setWorkers() before workersReady_ is set.
+  std::vector<WorkerInfo> workers_;
+  std::vector<std::string> addresses_;
+  std::unordered_map<int64_t, DeviceMap> requestMaps_;
+  std::unordered_map<int64_t, DeviceMap> responseMaps_;
+  std::atomic<bool> workersReady_{false};
+  std::condition_variable workersReadyCv_;
+
+  mutable std::mutex mutex_;
+  std::mutex connectMutex_;
+  PendingMap pending_;
+  std::set<std::pair<Clock::time_point, uint64_t>> deadlines_;
+  Clock::time_point armedFor_ = Clock::time_point::max();
+  std::unordered_map<int64_t, std::shared_ptr<AgentConnection>> outgoing_;
+  std::unordered_set<std::shared_ptr<AgentConnection>> connections_;
+  std::condition_variable idleCv_;
+  uint64_t requestsSent_ = 0;
+  std::atomic<uint64_t> requestsServed_{0};
+  std::atomic<uint64_t> malformedMessages_{0};
+
+  std::atomic<uint64_t> nextMessageId_{1};
+  std::atomic<bool> refusingCalls_{false};
+  std::atomic<bool> closed_{false};
+  std::atomic<ErrorCode> closeCode_{ErrorCode::kShuttingDown};
+
+  c10::ThreadPool pool_;
+  boost::asio::io_context timerContext_;
+  boost::asio::executor_work_guard<boost::asio::io_context::executor_type>
+      timerWork_;
+  boost::asio::steady_timer timer_;
+  std::thread timerThread_;
+};
+
+// ---- Agent handle ----------------------------------------------------------
+
+Agent::Agent(
+    WorkerInfo self,
+    const Options& options,
+    std::unique_ptr<Transport> transport)
+    : impl_(std::make_shared<AgentImpl>(
+          std::move(self),
+          options,
+          std::move(transport))) {}
+
+Agent::~Agent() {
+  impl_->close(ErrorCode::kShuttingDown);
+  impl_->join();
+}
+
+const WorkerInfo& Agent::self() const {
+  return impl_->self();
+}
+
+void Agent::registerHandler(
+    uint32_t kind,
+    std::string name,
+    RequestHandler handler) {
+  impl_->registerHandler(kind, std::move(name), std::move(handler));
+}
+
+void Agent::addHook(MessageHook hook) {
+  impl_->addHook(std::move(hook));
+}
+
+void Agent::addValueExtension(ValueExtension extension) {
+  impl_->addValueExtension(std::move(extension));
+}
+
+std::string Agent::listen() {
+  return impl_->listen();
+}
+
+void Agent::setWorkers(
+    std::vector<WorkerInfo> workers,
+    std::vector<std::string> addresses,
+    std::map<int64_t, DeviceMap> peerMapsTowardsUs) {
+  impl_->setWorkers(
+      std::move(workers), std::move(addresses), std::move(peerMapsTowardsUs));
+}
+
+const std::vector<WorkerInfo>& Agent::workers() const {
+  return impl_->workers();
+}
+
+const WorkerInfo& Agent::resolve(const WorkerRef& ref) const {
+  const WorkerInfo* info = impl_->find(ref);
+  TORCH_CHECK(
+      info != nullptr, "no worker ", ref.describe(), " in this job");
+  return *info;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> Agent::send(
+    const WorkerRef& to,
+    OutgoingRequest request) {
+  return impl_->send(to, std::move(request));
+}
+
+bool Agent::waitForNoPendingCalls(
+    std::chrono::steady_clock::time_point deadline) {
+  return impl_->waitForNoPendingCalls(deadline);
+}
+
+void Agent::refuseNewCalls() {
+  impl_->refuseNewCalls();
+}
+
+void Agent::close(ErrorCode code) {
+  impl_->close(code);
+}
+
+void Agent::join() {
+  impl_->join();
+}
+
+AgentCounters Agent::counters() const {
+  return impl_->counters();
+}
+
+c10::TaskThreadPoolBase& Agent::threadPool() {
+  return impl_->threadPool();
+}
+
+} // namespace rpc
+} // namespace torchrpc

@@ -1,0 +1,88 @@
+#include "rpc/detail/call_handler.h"
+
+#include "rpc/detail/builtin_operators.h"
+#include "rpc/errors.h"
+
+namespace torchrpc {
+namespace rpc {
+namespace detail {
+
+namespace {
+
+c10::intrusive_ptr<c10::ivalue::Future> failedFuture(std::exception_ptr e) {
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+  future->setError(std::move(e));
+  return future;
+}
+
+// The function's own failures are remote exceptions, whatever their type: a
+// nested call that timed out inside the function does not mean this call
+// timed out.
+c10::intrusive_ptr<c10::ivalue::Future> asRemoteException(
+    c10::intrusive_ptr<c10::ivalue::Future> result,
+    const std::string& selfName,
+    const std::string& function) {
+  if (result->completed() && !result->hasError()) {
+    return result;
+  }
+  auto out = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+  result->addCallback([out, selfName, function](c10::ivalue::Future& done) {
+    if (done.hasError()) {
+      out->setError(makeRpcError(
+          ErrorCode::kRemoteException,
+          selfName,
+          function,
+          0,
+          describeException(done.exception_ptr())));
+    } else {
+      out->markCompleted(done.value());
+    }
+  });
+  return out;
+}
+
+} // namespace
+
+RequestHandler makeCallHandler(
+    const FunctionRegistry& functions,
+    std::string selfName,
+    bool allowBuiltinOperators) {
+  return [&functions, selfName, allowBuiltinOperators](Request&& request) {
+    const std::string& name = request.body;
+    if (auto function = functions.find(name)) {
+      // Throws RpcError(kBadArguments) before running anything.
+      auto result = function->invoke(std::move(request.values));
+      return asRemoteException(std::move(result), selfName, name);
+    }
+    if (allowBuiltinOperators && isOperatorName(name)) {
+      try {
+        auto value = invokeBuiltinOperator(name, std::move(request.values));
+        auto future =
+            c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+        future->markCompleted(std::move(value));
+        return future;
+      } catch (const RpcError&) {
+        throw;
+      } catch (...) {
+        return failedFuture(makeRpcError(
+            ErrorCode::kRemoteException,
+            selfName,
+            name,
+            0,
+            describeException(std::current_exception())));
+      }
+    }
+    throw RpcError(
+        ErrorCode::kUnknownFunction,
+        selfName,
+        name,
+        0,
+        isOperatorName(name) && !allowBuiltinOperators
+            ? "builtin operators are disabled on this worker"
+            : "no function named '" + name + "' is registered");
+  };
+}
+
+} // namespace detail
+} // namespace rpc
+} // namespace torchrpc

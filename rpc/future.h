@@ -1,0 +1,143 @@
+#pragma once
+
+#include <ATen/core/ivalue.h>
+
+#include <type_traits>
+#include <utility>
+
+#include "rpc/errors.h"
+#include "rpc/value_types.h"
+
+namespace torchrpc {
+namespace rpc {
+
+namespace detail {
+// Converts a call's result to T, or throws RpcError(kBadArguments) naming
+// what was expected and what arrived, and the call's worker and function.
+template <typename T>
+T convertResult(
+    c10::IValue&& value,
+    const std::string& worker,
+    const std::string& function) {
+  if constexpr (std::is_void<T>::value) {
+    return;
+  } else {
+    if (!ValueTraits<T>::accepts(value)) {
+      throw RpcError(
+          ErrorCode::kBadArguments,
+          worker,
+          function,
+          0,
+          "result has type " + typeName(value) + ", the caller expects " +
+              typeName<T>());
+    }
+    return ValueTraits<T>::from(std::move(value));
+  }
+}
+} // namespace detail
+
+// A typed handle on a c10::ivalue::Future, the one future type torchrpc and
+// libtorch's autograd speak. Completes with a value of type T or with an
+// RpcError; wait() rethrows the error. Callbacks passed to then() run on the
+// thread that completes the future (an agent thread): keep them short, or
+// return a Future from a handler instead of waiting inside it.
+namespace detail {
+template <typename T, typename F>
+struct ThenResult {
+  using type = std::decay_t<std::invoke_result_t<F, T>>;
+};
+template <typename F>
+struct ThenResult<void, F> {
+  using type = std::decay_t<std::invoke_result_t<F>>;
+};
+} // namespace detail
+
+template <typename T>
+class Future {
+ public:
+  using ValueType = T;
+
+  Future() = default;
+  // worker and function name the call in errors about the result's type.
+  explicit Future(
+      c10::intrusive_ptr<c10::ivalue::Future> impl,
+      std::string worker = "",
+      std::string function = "")
+      : impl_(std::move(impl)),
+        worker_(std::move(worker)),
+        function_(std::move(function)) {}
+
+  // Blocks until completion; returns the value or throws the error (an
+  // RpcError for everything torchrpc raises).
+  T wait() const {
+    impl_->waitAndThrow();
+    return detail::convertResult<T>(impl_->value(), worker_, function_);
+  }
+
+  bool completed() const {
+    return impl_->completed();
+  }
+  bool hasError() const {
+    return impl_->hasError();
+  }
+  std::exception_ptr error() const {
+    return impl_->exception_ptr();
+  }
+
+  // Chains fn(T) -> U (U may be void). An error of this future, or one that
+  // fn throws, becomes the error of the returned future.
+  template <typename F>
+  auto then(F&& fn) const {
+    using U = typename detail::ThenResult<T, F>::type;
+    auto child = impl_->then(
+        [fn = std::forward<F>(fn), worker = worker_, function = function_](
+            c10::ivalue::Future& parent) mutable -> c10::IValue {
+          if constexpr (std::is_void<T>::value) {
+            parent.value(); // rethrows the parent's error
+            return invokeToIValue<U>(fn);
+          } else {
+            return invokeToIValue<U>(
+                fn,
+                detail::convertResult<T>(parent.value(), worker, function));
+          }
+        },
+        c10::AnyType::get());
+    return Future<U>(std::move(child), worker_, function_);
+  }
+
+  // The underlying libtorch future.
+  const c10::intrusive_ptr<c10::ivalue::Future>& ivalue() const {
+    return impl_;
+  }
+
+ private:
+  template <typename U, typename F, typename... Args>
+  static c10::IValue invokeToIValue(F& fn, Args&&... args) {
+    if constexpr (std::is_void<U>::value) {
+      fn(std::forward<Args>(args)...);
+      return c10::IValue();
+    } else {
+      return detail::toIValue(fn(std::forward<Args>(args)...));
+    }
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> impl_;
+  std::string worker_;
+  std::string function_;
+};
+
+template <>
+inline void Future<void>::wait() const {
+  impl_->waitAndThrow();
+}
+
+// A future that has already completed with `value`.
+template <typename T>
+Future<T> makeReadyFuture(T value) {
+  auto impl = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+  impl->markCompleted(detail::toIValue(std::move(value)));
+  return Future<T>(std::move(impl));
+}
+
+} // namespace rpc
+} // namespace torchrpc

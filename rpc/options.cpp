@@ -1,0 +1,72 @@
+#include "rpc/options.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <string>
+
+namespace torchrpc {
+namespace rpc {
+
+namespace {
+
+const char* env(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && *value != '\0' ? value : nullptr;
+}
+
+int64_t envInt(const char* name, int64_t fallback) {
+  const char* value = env(name);
+  if (value == nullptr) {
+    return fallback;
+  }
+  char* end = nullptr;
+  long long parsed = std::strtoll(value, &end, 10);
+  TORCH_CHECK(
+      end != value && *end == '\0',
+      "environment variable ",
+      name,
+      " must be an integer, got '",
+      value,
+      "'");
+  return parsed;
+}
+
+} // namespace
+
+Options Options::fromEnvironment() {
+  Options options;
+  options.rank = envInt("RANK", 0);
+  options.worldSize = envInt("WORLD_SIZE", 1);
+  if (const char* method = env("TORCHRPC_INIT_METHOD")) {
+    options.initMethod = method;
+  }
+  if (const char* address = env("TORCHRPC_LISTEN_ADDR")) {
+    options.listenAddress = address;
+  }
+  int64_t threads = envInt(
+      "TORCHRPC_NUM_THREADS", static_cast<int64_t>(options.numWorkerThreads));
+  TORCH_CHECK(threads >= 1, "TORCHRPC_NUM_THREADS must be at least 1");
+  options.numWorkerThreads = static_cast<size_t>(threads);
+  options.defaultTimeout = std::chrono::milliseconds(
+      envInt("TORCHRPC_TIMEOUT_MS", options.defaultTimeout.count()));
+  if (const char* transport = env("TORCHRPC_TRANSPORT")) {
+    std::string name = transport;
+    if (name == "tensorpipe") {
+      options.transport = TransportKind::kTensorPipe;
+    } else if (name == "tensorpipe-shm") {
+      options.transport = TransportKind::kTensorPipe;
+      options.tensorpipeTransports = {"shm", "uv"};
+    } else {
+      TORCH_CHECK(
+          false,
+          "TORCHRPC_TRANSPORT must be tensorpipe or tensorpipe-shm, got '",
+          name,
+          "'");
+    }
+  }
+  return options;
+}
+
+} // namespace rpc
+} // namespace torchrpc

@@ -1,0 +1,209 @@
+#include "rpc/runtime.h"
+
+#include <ATen/Context.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "rpc/detail/call_handler.h"
+#include "rpc/detail/rendezvous.h"
+#include "rpc/detail/tensorpipe_transport.h"
+#include "rpc/inprocess_transport.h"
+
+namespace torchrpc {
+namespace rpc {
+
+// The store and the rendezvous state of a started runtime.
+struct RuntimeStore {
+  c10::intrusive_ptr<c10d::Store> store;
+  std::unique_ptr<detail::Rendezvous> rendezvous;
+};
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+TransportLimits limitsOf(const Options& options) {
+  TransportLimits limits;
+  limits.maxHeaderBytes = options.maxHeaderBytes;
+  limits.maxMessageBytes = options.maxMessageBytes;
+  limits.maxTensorsPerMessage = options.maxTensorsPerMessage;
+  return limits;
+}
+
+std::unique_ptr<Transport> makeTransport(
+    const std::string& name,
+    const Options& options) {
+  TransportKind kind = options.transport;
+  if (kind == TransportKind::kAuto) {
+    kind = options.inProcessNetwork ? TransportKind::kInProcess
+                                    : TransportKind::kTensorPipe;
+  }
+  if (kind == TransportKind::kInProcess) {
+    TORCH_CHECK(
+        options.inProcessNetwork,
+        "the in-process transport needs Options::inProcessNetwork");
+    return std::make_unique<InProcessTransport>(
+        options.inProcessNetwork, limitsOf(options));
+  }
+  detail::TensorPipeTransportOptions tp;
+  tp.listenAddress = options.listenAddress;
+  tp.transports = options.tensorpipeTransports;
+  tp.channels = options.tensorpipeChannels;
+  tp.limits = limitsOf(options);
+  tp.name = name;
+  return std::make_unique<detail::TensorPipeTransport>(std::move(tp));
+}
+
+void validateOptions(const Options& options) {
+  TORCH_CHECK(
+      options.worldSize >= 1, "worldSize must be at least 1, got ",
+      options.worldSize);
+  TORCH_CHECK(
+      options.rank >= 0 && options.rank < options.worldSize,
+      "rank ",
+      options.rank,
+      " is outside [0, ",
+      options.worldSize,
+      ")");
+  TORCH_CHECK(options.numWorkerThreads >= 1, "numWorkerThreads must be >= 1");
+  for (const auto& destination : options.deviceMaps) {
+    for (const auto& pair : destination.second) {
+      // The source device must exist here; the target is checked where the
+      // tensor lands.
+      TORCH_CHECK(
+          pair.first.is_cpu() ||
+              (pair.first.is_cuda() && at::hasCUDA()),
+          "device map to '",
+          destination.first,
+          "' names ",
+          pair.first.str(),
+          ", which this worker does not have");
+    }
+  }
+}
+
+} // namespace
+
+Runtime::Runtime(std::string name, Options options)
+    : self_{std::move(name), options.rank}, options_(std::move(options)) {
+  detail::validateWorkerName(self_.name);
+  validateOptions(options_);
+  agent_ = std::make_unique<Agent>(
+      self_, options_, makeTransport(self_.name, options_));
+  registerCallHandler();
+}
+
+Runtime::~Runtime() {
+  if (state_ == State::kRunning) {
+    LOG(WARNING) << self_.name
+                 << ": runtime destroyed while running; shutting down now";
+  }
+  shutdown(/*graceful=*/false);
+}
+
+void Runtime::registerCallHandler() {
+  agent_->registerHandler(
+      kCallMessageKind,
+      "call",
+      detail::makeCallHandler(
+          functions_, self_.name, options_.allowBuiltinOperators));
+}
+
+void Runtime::start() {
+  std::lock_guard<std::mutex> guard(lifecycleMutex_);
+  TORCH_CHECK(
+      state_ == State::kCreated,
+      "runtime '",
+      self_.name,
+      "' was already started");
+  auto store = std::make_shared<RuntimeStore>();
+  try {
+    std::string address = agent_->listen();
+    store->store = detail::openStore(options_);
+    store->rendezvous = std::make_unique<detail::Rendezvous>(
+        store->store,
+        options_.rank,
+        options_.worldSize,
+        options_.rendezvousTimeout);
+    auto layout =
+        store->rendezvous->join(self_.name, address, options_.deviceMaps);
+    agent_->setWorkers(
+        std::move(layout.workers),
+        std::move(layout.addresses),
+        std::move(layout.peerMapsTowardsUs));
+  } catch (...) {
+    agent_->close(ErrorCode::kShuttingDown);
+    agent_->join();
+    state_ = State::kShutDown;
+    throw;
+  }
+  store_ = std::move(store);
+  state_ = State::kRunning;
+}
+
+const std::vector<WorkerInfo>& Runtime::workers() const {
+  return agent_->workers();
+}
+
+const WorkerInfo& Runtime::worker(const WorkerRef& ref) const {
+  return agent_->resolve(ref);
+}
+
+bool Runtime::shutdown(bool graceful) {
+  std::lock_guard<std::mutex> guard(lifecycleMutex_);
+  if (state_ == State::kShutDown) {
+    return true;
+  }
+  if (state_ == State::kCreated) {
+    agent_->close(ErrorCode::kShuttingDown);
+    agent_->join();
+    state_ = State::kShutDown;
+    return true;
+  }
+  bool clean = true;
+  if (graceful) {
+    // Note [Graceful shutdown]
+    // 1. Wait until our own calls have completed, serving peers meanwhile.
+    // 2. Barrier "drained": every worker reached 1. A handler here can only
+    //    be running for a peer's call that is still pending, so once all
+    //    arrived no call is in flight anywhere.
+    // 3. Refuse new calls, barrier "closing", then leave: rank 0 may host
+    //    the store and must not go before the others are done with it.
+    auto deadline = Clock::now() + options_.shutdownTimeout;
+    auto& rendezvous = *store_->rendezvous;
+    clean = agent_->waitForNoPendingCalls(deadline) &&
+        rendezvous.barrier("shutdown/drained", deadline);
+    agent_->refuseNewCalls();
+    clean = clean && agent_->waitForNoPendingCalls(deadline) &&
+        rendezvous.barrier("shutdown/closing", deadline) &&
+        rendezvous.leave(deadline);
+    if (!clean) {
+      LOG(WARNING) << self_.name
+                   << ": graceful shutdown did not complete within "
+                   << options_.shutdownTimeout.count()
+                   << " ms; shutting down immediately";
+    }
+  }
+  agent_->close(ErrorCode::kShuttingDown);
+  agent_->join();
+  store_.reset();
+  state_ = State::kShutDown;
+  return clean;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> Caller::callBoxed(
+    const WorkerRef& to,
+    const std::string& function,
+    std::vector<c10::IValue> args) const {
+  OutgoingRequest request;
+  request.kind = kCallMessageKind;
+  request.body = function;
+  request.values = std::move(args);
+  request.what = function;
+  request.timeout = timeout_;
+  return runtime_.agent_->send(to, std::move(request));
+}
+
+} // namespace rpc
+} // namespace torchrpc

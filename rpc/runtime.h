@@ -1,0 +1,176 @@
+#pragma once
+
+#include <ATen/core/ivalue.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "rpc/agent.h"
+#include "rpc/errors.h"
+#include "rpc/function_registry.h"
+#include "rpc/future.h"
+#include "rpc/options.h"
+#include "rpc/value_types.h"
+#include "rpc/worker_info.h"
+
+namespace torchrpc {
+namespace rpc {
+
+class Runtime;
+
+// Issues calls with per-call settings: `rt.withTimeout(100ms).rpcSync<R>(...)`.
+// A cheap value; it refers to the runtime, which must outlive it.
+class Caller {
+ public:
+  Caller(Runtime& runtime, std::chrono::milliseconds timeout)
+      : runtime_(runtime), timeout_(timeout) {}
+
+  // Calls `function` on `to` (a registered function, or a dispatcher
+  // operator such as "aten::add.Tensor") and returns its future at once.
+  // Never throws for a failed call: the future completes with an RpcError.
+  template <typename R, typename... Args>
+  Future<R> rpcAsync(
+      const WorkerRef& to,
+      const std::string& function,
+      Args&&... args) const {
+    std::vector<c10::IValue> values;
+    values.reserve(sizeof...(Args));
+    (values.push_back(detail::toIValue(std::forward<Args>(args))), ...);
+    return Future<R>(
+        callBoxed(to, function, std::move(values)), to.describe(), function);
+  }
+
+  // Like rpcAsync(...).wait(): returns the result or throws the RpcError.
+  template <typename R, typename... Args>
+  R rpcSync(
+      const WorkerRef& to,
+      const std::string& function,
+      Args&&... args) const {
+    return rpcAsync<R>(to, function, std::forward<Args>(args)...).wait();
+  }
+
+  // The untyped form: arguments and result as IValues.
+  c10::intrusive_ptr<c10::ivalue::Future> callBoxed(
+      const WorkerRef& to,
+      const std::string& function,
+      std::vector<c10::IValue> args) const;
+
+ private:
+  Runtime& runtime_;
+  std::chrono::milliseconds timeout_;
+};
+
+// One worker of a job. Owns everything the worker has: its agent and
+// transport, its function registry, its threads. Nothing is global, so
+// several runtimes may live in one process, and a process may start a new
+// runtime after shutting one down.
+//
+// Lifecycle: construct, register functions, start() (meets every worker),
+// make calls, shutdown(). Destroying a running runtime shuts it down
+// immediately.
+class Runtime {
+ public:
+  Runtime(std::string name, Options options);
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  // Functions other workers may call here. Add them before start() (later
+  // additions work too, but a peer may call before they exist).
+  FunctionRegistry& functions() {
+    return functions_;
+  }
+
+  // Where upper layers register message kinds, hooks and value extensions
+  // (before start()).
+  Agent& agent() {
+    return *agent_;
+  }
+
+  // Listens, then meets every worker through the store. Blocks until all
+  // have arrived; throws c10::Error on an invalid or duplicate name, a bad
+  // init method, or a rendezvous timeout.
+  void start();
+
+  const Options& options() const {
+    return options_;
+  }
+  const WorkerInfo& self() const {
+    return self_;
+  }
+  int64_t rank() const {
+    return self_.id;
+  }
+  // Every worker of the job, indexed by id. Valid after start().
+  const std::vector<WorkerInfo>& workers() const;
+  // Throws c10::Error for an unknown worker.
+  const WorkerInfo& worker(const WorkerRef& ref) const;
+
+  // Calls with the default timeout (Options::defaultTimeout).
+  template <typename R, typename... Args>
+  Future<R> rpcAsync(
+      const WorkerRef& to,
+      const std::string& function,
+      Args&&... args) {
+    return caller().rpcAsync<R>(to, function, std::forward<Args>(args)...);
+  }
+  template <typename R, typename... Args>
+  R rpcSync(
+      const WorkerRef& to,
+      const std::string& function,
+      Args&&... args) {
+    return caller().rpcSync<R>(to, function, std::forward<Args>(args)...);
+  }
+
+  // Calls with their own deadline; zero means none.
+  Caller withTimeout(std::chrono::milliseconds timeout) {
+    return Caller(*this, timeout);
+  }
+  Caller caller() {
+    return Caller(*this, options_.defaultTimeout);
+  }
+
+  // Graceful (the default): waits until this worker's calls have completed
+  // and every worker has called shutdown(), serving their calls meanwhile,
+  // then closes. Bounded by Options::shutdownTimeout, after which it shuts
+  // down immediately; returns whether the graceful path completed.
+  // Immediate (graceful = false): fails pending calls with kShuttingDown and
+  // closes at once. Calls made afterwards fail with kShuttingDown.
+  // Idempotent.
+  bool shutdown(bool graceful = true);
+
+  bool running() const {
+    return state_ == State::kRunning;
+  }
+
+ private:
+  friend class Caller;
+  enum class State { kCreated, kRunning, kShutDown };
+
+  void registerCallHandler();
+
+  const WorkerInfo self_;
+  const Options options_;
+  FunctionRegistry functions_;
+  std::unique_ptr<Agent> agent_;
+  std::shared_ptr<struct RuntimeStore> store_;
+  std::mutex lifecycleMutex_;
+  std::atomic<State> state_{State::kCreated};
+};
+
+} // namespace rpc
+
+// The names most programs use, at the top level.
+using rpc::Future;
+using rpc::Options;
+using rpc::RpcError;
+using rpc::Runtime;
+using rpc::WorkerInfo;
+using rpc::ErrorCode;
+
+} // namespace torchrpc

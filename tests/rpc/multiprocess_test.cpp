@@ -1,0 +1,150 @@
+// One process per worker over real TensorPipe on loopback (tier 3).
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <string>
+#include <thread>
+
+#include "rpc/runtime.h"
+#include "tests/support/child_processes.h"
+
+namespace torchrpc {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::ChildProcesses;
+
+std::string freshStorePath(const std::string& tag) {
+  std::string path =
+      "/tmp/torchrpc_" + tag + "_" + std::to_string(::getpid());
+  std::remove(path.c_str());
+  return path;
+}
+
+rpc::Options processOptions(int rank, int worldSize, const std::string& path) {
+  rpc::Options o;
+  o.rank = rank;
+  o.worldSize = worldSize;
+  o.initMethod = "file://" + path;
+  o.transport = rpc::TransportKind::kTensorPipe;
+  o.rendezvousTimeout = 30s;
+  o.shutdownTimeout = 30s;
+  o.defaultTimeout = 30s;
+  return o;
+}
+
+TEST(MultiProcess, ThreeWorkersCallAroundARingAndShutDownCleanly) {
+  auto path = freshStorePath("ring");
+  ChildProcesses children;
+  std::vector<pid_t> pids;
+  for (int rank = 0; rank < 3; ++rank) {
+    pids.push_back(children.spawn([rank, path]() {
+      rpc::Runtime rt("proc" + std::to_string(rank), processOptions(rank, 3, path));
+      rt.functions().add("scale", [](at::Tensor x, double f) { return x * f; });
+      rt.start();
+      auto x = at::arange(1000, at::kFloat) + rank;
+      auto next = "proc" + std::to_string((rank + 1) % 3);
+      auto y = rt.rpcSync<at::Tensor>(next, "scale", x, 3.0);
+      EXPECT_TRUE(at::equal(y, x * 3.0));
+      // A large tensor too (exercises the out-of-band channels).
+      auto big = at::rand({4 << 20});
+      EXPECT_TRUE(at::equal(rt.rpcSync<at::Tensor>(next, "scale", big, 1.0), big));
+      EXPECT_TRUE(rt.shutdown());
+    }));
+  }
+  for (pid_t pid : pids) {
+    EXPECT_EQ(children.wait(pid, 60s), 0);
+  }
+  std::remove(path.c_str());
+}
+
+TEST(MultiProcess, EnvInitMethodAsTorchrunSetsIt) {
+  // Find a free port by binding 0, then release it for the store.
+  int port = 0;
+  {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    socklen_t len = sizeof(addr);
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    port = ntohs(addr.sin_port);
+    ::close(fd);
+  }
+  ChildProcesses children;
+  std::vector<pid_t> pids;
+  for (int rank = 0; rank < 2; ++rank) {
+    pids.push_back(children.spawn([rank, port]() {
+      setenv("MASTER_ADDR", "127.0.0.1", 1);
+      setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      setenv("RANK", std::to_string(rank).c_str(), 1);
+      setenv("WORLD_SIZE", "2", 1);
+      auto options = rpc::Options::fromEnvironment();
+      options.rendezvousTimeout = 30s;
+      rpc::Runtime rt("env" + std::to_string(options.rank), options);
+      rt.functions().add("rank", [rank]() { return int64_t(rank); });
+      rt.start();
+      EXPECT_EQ(rt.rpcSync<int64_t>(1 - rank, "rank"), 1 - rank);
+      EXPECT_TRUE(rt.shutdown());
+    }));
+  }
+  for (pid_t pid : pids) {
+    EXPECT_EQ(children.wait(pid, 60s), 0);
+  }
+}
+
+// The callee signals through a pipe that the call is running; the parent
+// then SIGKILLs it. The caller's pending call must fail with
+// kWorkerUnavailable naming the peer, well before its 30 s timeout.
+TEST(MultiProcess, KilledPeerFailsPendingCallsPromptly) {
+  auto path = freshStorePath("kill");
+  int started[2];
+  ASSERT_EQ(::pipe(started), 0);
+  ChildProcesses children;
+  pid_t victim = children.spawn([path, started]() {
+    rpc::Runtime rt("victim", processOptions(1, 2, path));
+    rt.functions().add("hang", [started]() {
+      char byte = 1;
+      (void)!::write(started[1], &byte, 1);
+      std::this_thread::sleep_for(60s);
+      return int64_t(0);
+    });
+    rt.start();
+    std::this_thread::sleep_for(120s); // killed long before
+  });
+  pid_t caller = children.spawn([path]() {
+    rpc::Runtime rt("caller", processOptions(0, 2, path));
+    rt.start();
+    auto future = rt.withTimeout(30s).rpcAsync<int64_t>("victim", "hang");
+    auto begin = std::chrono::steady_clock::now();
+    try {
+      future.wait();
+      ADD_FAILURE() << "the call to a killed peer succeeded";
+    } catch (const rpc::RpcError& e) {
+      EXPECT_EQ(e.code(), rpc::ErrorCode::kWorkerUnavailable) << e.what();
+      EXPECT_EQ(e.worker(), "victim");
+      EXPECT_EQ(e.function(), "hang");
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - begin, 10s);
+    rt.shutdown(/*graceful=*/false);
+  });
+  pollfd pfd{started[0], POLLIN, 0};
+  ASSERT_EQ(::poll(&pfd, 1, 30000), 1) << "the call never reached the victim";
+  children.kill(victim, SIGKILL);
+  EXPECT_EQ(children.wait(caller, 60s), 0);
+  EXPECT_EQ(children.wait(victim, 10s), 128 + SIGKILL);
+  ::close(started[0]);
+  ::close(started[1]);
+  std::remove(path.c_str());
+}
+
+} // namespace
+} // namespace torchrpc

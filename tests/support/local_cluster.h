@@ -1,0 +1,139 @@
+#pragma once
+
+// Several workers in one process: tier-2 tests. Each worker is a real
+// Runtime with its own agent and transport; they meet through a HashStore.
+
+#include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <functional>
+#include <future>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "rpc/inprocess_transport.h"
+#include "rpc/runtime.h"
+
+namespace torchrpc {
+namespace testing {
+
+enum class TestTransport { kInProcess, kTensorPipe };
+
+inline std::string transportName(
+    const ::testing::TestParamInfo<TestTransport>& info) {
+  return info.param == TestTransport::kInProcess ? "InProcess" : "TensorPipe";
+}
+
+class LocalCluster {
+ public:
+  // configure(rank, options) may adjust each worker's options;
+  // setup(rank, runtime) registers functions before start().
+  LocalCluster(
+      TestTransport transport,
+      int worldSize,
+      std::function<void(int, rpc::Options&)> configure = nullptr,
+      std::function<void(int, rpc::Runtime&)> setup = nullptr)
+      : network_(std::make_shared<rpc::InProcessNetwork>()),
+        store_(c10::make_intrusive<c10d::HashStore>()) {
+    for (int rank = 0; rank < worldSize; ++rank) {
+      rpc::Options options;
+      options.rank = rank;
+      options.worldSize = worldSize;
+      options.store = store_;
+      options.rendezvousTimeout = std::chrono::seconds(20);
+      options.shutdownTimeout = std::chrono::seconds(20);
+      options.defaultTimeout = std::chrono::seconds(20);
+      if (transport == TestTransport::kInProcess) {
+        options.transport = rpc::TransportKind::kInProcess;
+        options.inProcessNetwork = network_;
+      } else {
+        options.transport = rpc::TransportKind::kTensorPipe;
+      }
+      if (configure) {
+        configure(rank, options);
+      }
+      runtimes_.push_back(std::make_unique<rpc::Runtime>(
+          "worker" + std::to_string(rank), options));
+      if (setup) {
+        setup(rank, *runtimes_.back());
+      }
+    }
+    startAll();
+  }
+
+  ~LocalCluster() {
+    shutdownAll(/*graceful=*/false);
+  }
+
+  rpc::Runtime& operator[](int rank) {
+    return *runtimes_.at(rank);
+  }
+  int size() const {
+    return static_cast<int>(runtimes_.size());
+  }
+  const std::shared_ptr<rpc::InProcessNetwork>& network() const {
+    return network_;
+  }
+
+  // Shuts every worker down concurrently, as separate processes would;
+  // returns whether every graceful shutdown completed.
+  bool shutdownAll(bool graceful = true) {
+    std::vector<std::future<bool>> done;
+    for (auto& runtime : runtimes_) {
+      rpc::Runtime* r = runtime.get();
+      done.push_back(std::async(std::launch::async, [r, graceful]() {
+        return r->shutdown(graceful);
+      }));
+    }
+    bool clean = true;
+    for (auto& d : done) {
+      clean = d.get() && clean;
+    }
+    return clean;
+  }
+
+ private:
+  void startAll() {
+    std::vector<std::future<void>> started;
+    for (auto& runtime : runtimes_) {
+      rpc::Runtime* r = runtime.get();
+      started.push_back(
+          std::async(std::launch::async, [r]() { r->start(); }));
+    }
+    for (auto& s : started) {
+      s.get(); // rethrows a worker's start() failure
+    }
+  }
+
+  std::shared_ptr<rpc::InProcessNetwork> network_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::vector<std::unique_ptr<rpc::Runtime>> runtimes_;
+};
+
+// Runs fn and expects it to throw an RpcError with `code` whose message
+// contains every one of `fragments`.
+template <typename F>
+void expectRpcError(
+    F&& fn,
+    rpc::ErrorCode code,
+    std::initializer_list<std::string> fragments) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected RpcError(" << rpc::errorCodeName(code)
+                  << "), nothing was thrown";
+  } catch (const rpc::RpcError& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    for (const auto& fragment : fragments) {
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos)
+          << "'" << fragment << "' not in: " << e.what();
+    }
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected RpcError(" << rpc::errorCodeName(code)
+                  << "), got: " << e.what();
+  }
+}
+
+} // namespace testing
+} // namespace torchrpc
