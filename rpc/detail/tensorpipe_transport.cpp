@@ -1,0 +1,740 @@
+#include "rpc/detail/tensorpipe_transport.h"
+
+#include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
+#include <tensorpipe/tensorpipe.h>
+
+#include <pthread.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <deque>
+#include <future>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <utility>
+
+#include "rpc/detail/receive_buffer_pool.h"
+
+namespace torchrpc {
+namespace rpc {
+namespace detail {
+
+namespace tp = tensorpipe;
+
+namespace {
+
+// Priorities as PyTorch's agent uses them: the fastest option both sides
+// support wins; basic is the fallback that always works.
+constexpr int64_t kUvPriority = 0;
+constexpr int64_t kShmPriority = 200;
+constexpr int64_t kBasicPriority = 0;
+constexpr int64_t kMptPriority = 1100;
+constexpr int64_t kCmaPriority = 1200;
+
+// The thread through which this transport calls into TensorPipe. TensorPipe
+// runs its loop on whichever thread enters it, so calling it from user
+// threads would run other connections' callbacks there.
+class SerialExecutor {
+ public:
+  SerialExecutor() : thread_([this]() { run(); }) {}
+
+  ~SerialExecutor() {
+    join();
+    if (thread_.joinable()) {
+      // Only when the last reference died on this very thread.
+      thread_.detach();
+    }
+  }
+
+  // False once joined: the task was not queued and never runs.
+  bool post(std::function<void()> task) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopping_) {
+      return false;
+    }
+    tasks_.push_back(std::move(task));
+    cv_.notify_one();
+    return true;
+  }
+
+  bool inThread() const {
+    return thread_.get_id() == std::this_thread::get_id();
+  }
+
+  // Runs what is queued, then ends the thread.
+  void join() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+      cv_.notify_one();
+    }
+    if (thread_.joinable() && !inThread()) {
+      thread_.join();
+    }
+  }
+
+ private:
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      if (tasks_.empty()) {
+        if (stopping_) {
+          return;
+        }
+        cv_.wait(lock);
+        continue;
+      }
+      std::function<void()> task = std::move(tasks_.front());
+      tasks_.pop_front();
+      lock.unlock();
+      task();
+      task = nullptr;
+      lock.lock();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+TransportError fromTensorPipe(const tp::Error& error, const std::string& who) {
+  // Whatever TensorPipe reports (EOF, refused, reset, closed) means the
+  // peer cannot be reached through this pipe any more.
+  return TransportError{
+      ErrorCode::kWorkerUnavailable,
+      who + ": " + error.what()};
+}
+
+std::string uniqueShmAddress() {
+  // Abstract socket names are per host: pid and randomness keep them apart.
+  std::random_device random;
+  return "torchrpc-" + std::to_string(::getpid()) + "-" +
+      std::to_string(random()) + std::to_string(random());
+}
+
+// Blocks SIGPIPE on this thread while it lives, so that the threads it
+// starts (TensorPipe's loops, our executor) inherit the blocked mask: a write
+// to a socket whose peer is gone then fails with EPIPE instead of killing
+// the process, without changing the process-wide signal disposition.
+class ScopedBlockSigpipe {
+ public:
+  ScopedBlockSigpipe() {
+    sigset_t block;
+    sigemptyset(&block);
+    sigaddset(&block, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &block, &previous_);
+  }
+  ~ScopedBlockSigpipe() {
+    pthread_sigmask(SIG_SETMASK, &previous_, nullptr);
+  }
+
+ private:
+  sigset_t previous_;
+};
+
+std::string urlHost(const std::string& ip) {
+  return ip.find(':') != std::string::npos ? "[" + ip + "]" : ip;
+}
+
+struct ConnectionContext {
+  std::shared_ptr<SerialExecutor> executor;
+  std::shared_ptr<ReceiveBufferPool> pool;
+  TransportLimits limits;
+  std::string name;
+};
+
+} // namespace
+
+// One Connection over one tensorpipe::Pipe.
+//
+// All TensorPipe calls are made on the executor or inside TensorPipe
+// callbacks; user callbacks run only inside TensorPipe callbacks (which
+// TensorPipe serializes per context) except when no pipe exists, so
+// onMessage and onError never overlap. TensorPipe callbacks hold a weak_ptr:
+// once the user drops the connection they do nothing.
+class TensorPipeConnection
+    : public Connection,
+      public std::enable_shared_from_this<TensorPipeConnection> {
+ public:
+  TensorPipeConnection(
+      std::shared_ptr<ConnectionContext> context,
+      std::string peer,
+      std::shared_ptr<tp::Pipe> pipe)
+      : context_(std::move(context)),
+        peer_(std::move(peer)),
+        pipe_(std::move(pipe)) {}
+
+  ~TensorPipeConnection() override {
+    if (!pipe_) {
+      return;
+    }
+    // Close on the executor: closing may run TensorPipe's loop (and other
+    // connections' callbacks) on the calling thread.
+    std::shared_ptr<tp::Pipe> pipe = std::move(pipe_);
+    context_->executor->post([pipe]() { pipe->close(); });
+  }
+
+  // On the executor, before any other task of this connection.
+  void setPipeFromLoop(std::shared_ptr<tp::Pipe> pipe) {
+    pipe_ = std::move(pipe);
+  }
+
+  // For a connection that never got a pipe.
+  void failWithoutPipe(TransportError error) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    failed_ = true;
+    error_ = std::move(error);
+  }
+
+  void start(ReceiveCallback onMessage, ErrorCallback onError) override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      TORCH_CHECK(!started_, "Connection::start() called twice");
+      started_ = true;
+      onMessage_ = std::move(onMessage);
+      onError_ = std::move(onError);
+    }
+    auto self = shared_from_this();
+    auto task = [self]() {
+      if (self->pipe_) {
+        // A failed pipe fails this read at once, which reports the error.
+        self->readNextFromLoop();
+      } else {
+        TransportError error;
+        {
+          std::lock_guard<std::mutex> lock(self->mutex_);
+          error = self->error_;
+        }
+        self->fail(error);
+      }
+    };
+    if (!context_->executor->post(task)) {
+      failWithoutPipe(TransportError{
+          ErrorCode::kWorkerUnavailable,
+          "transport " + context_->name + " has been joined"});
+      fail(TransportError{
+          ErrorCode::kWorkerUnavailable,
+          "transport " + context_->name + " has been joined"});
+    }
+  }
+
+  void send(Message&& message, SendCallback done) override {
+    for (const at::Tensor& tensor : message.tensors) {
+      TORCH_CHECK(
+          tensor.device().is_cpu() && tensor.is_contiguous(),
+          "TensorPipeTransport sends contiguous CPU tensors only");
+    }
+    // Keeps header and tensors alive until TensorPipe is done with them.
+    auto holder = std::make_shared<Message>(std::move(message));
+    auto self = shared_from_this();
+    auto task = [self, holder, done]() { self->writeFromLoop(holder, done); };
+    if (!context_->executor->post(task)) {
+      TransportError error{
+          ErrorCode::kWorkerUnavailable,
+          "transport " + context_->name + " has been joined"};
+      done(&error);
+    }
+  }
+
+  void close() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      closedLocally_ = true;
+    }
+    // The pending read then fails, which reports the error from TensorPipe's
+    // loop, serialized with deliveries.
+    std::weak_ptr<TensorPipeConnection> weakSelf = weak_from_this();
+    auto task = [weakSelf]() {
+      auto self = weakSelf.lock();
+      if (self && self->pipe_) {
+        self->pipe_->close();
+      }
+    };
+    if (!context_->executor->post(task)) {
+      failWithoutPipe(
+          TransportError{ErrorCode::kWorkerUnavailable, "closed locally"});
+    }
+  }
+
+  std::string describe() const override {
+    return peer_;
+  }
+
+ private:
+  void readNextFromLoop() {
+    std::weak_ptr<TensorPipeConnection> weakSelf = weak_from_this();
+    pipe_->readDescriptor(
+        [weakSelf](const tp::Error& error, tp::Descriptor descriptor) {
+          if (auto self = weakSelf.lock()) {
+            self->onDescriptorFromLoop(error, std::move(descriptor));
+          }
+        });
+  }
+
+  // Checks the caps before anything is allocated. Empty if fine.
+  std::string checkDescriptor(const tp::Descriptor& descriptor) const {
+    const TransportLimits& limits = context_->limits;
+    if (descriptor.payloads.size() != 1 || !descriptor.metadata.empty()) {
+      return "unexpected message layout (" +
+          std::to_string(descriptor.payloads.size()) + " payloads)";
+    }
+    size_t header = descriptor.payloads[0].length;
+    if (header > limits.maxHeaderBytes) {
+      return "header of " + std::to_string(header) +
+          " bytes exceeds the cap of " + std::to_string(limits.maxHeaderBytes);
+    }
+    if (descriptor.tensors.size() > limits.maxTensorsPerMessage) {
+      return std::to_string(descriptor.tensors.size()) +
+          " tensors exceed the cap of " +
+          std::to_string(limits.maxTensorsPerMessage);
+    }
+    size_t total = header;
+    for (const tp::Descriptor::Tensor& tensor : descriptor.tensors) {
+      if (tensor.sourceDevice.type != tp::kCpuDeviceType ||
+          (tensor.targetDevice.has_value() &&
+           tensor.targetDevice->type != tp::kCpuDeviceType)) {
+        return "a tensor is not on the CPU";
+      }
+      // Compared one by one first so that the sum cannot wrap.
+      if (tensor.length > limits.maxMessageBytes ||
+          total + tensor.length > limits.maxMessageBytes) {
+        return "message exceeds the cap of " +
+            std::to_string(limits.maxMessageBytes) + " bytes";
+      }
+      total += tensor.length;
+    }
+    return std::string();
+  }
+
+  void onDescriptorFromLoop(const tp::Error& error, tp::Descriptor descriptor) {
+    if (error) {
+      failFromTensorPipe(error);
+      return;
+    }
+    std::string violation = checkDescriptor(descriptor);
+    if (!violation.empty()) {
+      fail(TransportError{
+          ErrorCode::kMalformedMessage,
+          peer_ + ": " + violation});
+      return;
+    }
+    auto holder = std::make_shared<Message>();
+    tp::Allocation allocation;
+    holder->header.resize(descriptor.payloads[0].length);
+    allocation.payloads.push_back(tp::Allocation::Payload{&holder->header[0]});
+    holder->tensors.reserve(descriptor.tensors.size());
+    for (const tp::Descriptor::Tensor& tensor : descriptor.tensors) {
+      at::Tensor buffer = context_->pool->allocate(tensor.length);
+      allocation.tensors.push_back(
+          tp::Allocation::Tensor{tp::CpuBuffer{buffer.data_ptr()}});
+      holder->tensors.push_back(std::move(buffer));
+    }
+    std::weak_ptr<TensorPipeConnection> weakSelf = weak_from_this();
+    pipe_->read(std::move(allocation), [weakSelf, holder](const tp::Error& e) {
+      if (auto self = weakSelf.lock()) {
+        self->onReadFromLoop(e, std::move(*holder));
+      }
+    });
+  }
+
+  void onReadFromLoop(const tp::Error& error, Message&& message) {
+    if (error) {
+      failFromTensorPipe(error);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (failed_) {
+        return;
+      }
+    }
+    onMessage_(std::move(message));
+    readNextFromLoop();
+  }
+
+  void writeFromLoop(
+      const std::shared_ptr<Message>& holder,
+      const SendCallback& done) {
+    if (!pipe_) {
+      TransportError error;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        error = error_;
+      }
+      done(&error);
+      return;
+    }
+    tp::Message message;
+    tp::Message::Payload header;
+    // TensorPipe only reads from it; it wants a non-const pointer.
+    header.data = const_cast<char*>(holder->header.data());
+    header.length = holder->header.size();
+    message.payloads.push_back(std::move(header));
+    message.tensors.reserve(holder->tensors.size());
+    for (const at::Tensor& tensor : holder->tensors) {
+      tp::Message::Tensor out;
+      out.buffer = tp::CpuBuffer{const_cast<void*>(tensor.data_ptr())};
+      out.length = tensor.nbytes();
+      message.tensors.push_back(std::move(out));
+    }
+    std::weak_ptr<TensorPipeConnection> weakSelf = weak_from_this();
+    pipe_->write(
+        std::move(message),
+        [weakSelf, holder, done](const tp::Error& error) {
+          if (!error) {
+            done(nullptr);
+            return;
+          }
+          TransportError failure;
+          if (auto self = weakSelf.lock()) {
+            failure = self->failFromTensorPipe(error);
+          } else {
+            failure = fromTensorPipe(error, "write");
+          }
+          done(&failure);
+        });
+  }
+
+  // Returns the error that sticks on this connection.
+  TransportError failFromTensorPipe(const tp::Error& error) {
+    bool local;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      local = closedLocally_;
+    }
+    return fail(
+        local
+            ? TransportError{ErrorCode::kWorkerUnavailable, "connection to " + peer_ + " closed locally"}
+            : fromTensorPipe(error, "connection to " + peer_));
+  }
+
+  // The first error sticks; onError runs once, after start().
+  TransportError fail(const TransportError& error) {
+    bool closePipe = false;
+    ErrorCallback onError;
+    TransportError sticky;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!failed_) {
+        failed_ = true;
+        error_ = error;
+        closePipe = true;
+      }
+      if (started_ && !reported_) {
+        reported_ = true;
+        onError = std::move(onError_);
+        onError_ = nullptr;
+        // The callbacks often capture this connection: break the cycle.
+        onMessage_ = nullptr;
+      }
+      sticky = error_;
+    }
+    if (closePipe && pipe_) {
+      pipe_->close();
+    }
+    if (onError) {
+      onError(sticky);
+    }
+    return sticky;
+  }
+
+  const std::shared_ptr<ConnectionContext> context_;
+  const std::string peer_;
+  // Written once on the executor before any use (connect), or at
+  // construction (accept).
+  std::shared_ptr<tp::Pipe> pipe_;
+
+  std::mutex mutex_;
+  bool started_ = false;
+  bool failed_ = false;
+  bool reported_ = false;
+  bool closedLocally_ = false;
+  TransportError error_;
+  // Called only inside TensorPipe callbacks (or with no pipe).
+  ReceiveCallback onMessage_;
+  ErrorCallback onError_;
+};
+
+class TensorPipeTransportImpl
+    : public std::enable_shared_from_this<TensorPipeTransportImpl> {
+ public:
+  explicit TensorPipeTransportImpl(TensorPipeTransportOptions options)
+      : options_(std::move(options)),
+        connectionContext_(std::make_shared<ConnectionContext>()) {
+    // Every thread this transport owns starts below, in this scope.
+    ScopedBlockSigpipe blockSigpipe;
+    connectionContext_->executor = std::make_shared<SerialExecutor>();
+    connectionContext_->pool = ReceiveBufferPool::create();
+    connectionContext_->limits = options_.limits;
+    connectionContext_->name = options_.name;
+    context_ =
+        std::make_shared<tp::Context>(tp::ContextOptions().name(options_.name));
+
+    bool hasUv = false;
+    for (const std::string& transport : options_.transports) {
+      if (transport == "uv") {
+        hasUv = true;
+      } else if (transport == "shm") {
+        context_->registerTransport(
+            kShmPriority,
+            "shm",
+            tp::transport::shm::create());
+        shm_ = true;
+      } else {
+        TORCH_CHECK(false, "unknown TensorPipe transport '", transport, "'");
+      }
+    }
+    // The address peers connect to is always the uv one.
+    (void)hasUv;
+    context_->registerTransport(kUvPriority, "uv", tp::transport::uv::create());
+
+    for (const std::string& channel : options_.channels) {
+      if (channel == "cma") {
+        context_->registerChannel(
+            kCmaPriority,
+            "cma",
+            tp::channel::cma::create());
+      } else if (channel == "mpt") {
+        registerMpt();
+      } else if (channel == "basic") {
+        // Registered below in any case.
+      } else if (channel == "xth") {
+        TORCH_CHECK(
+            false,
+            "TensorPipe channel 'xth' works only within one process; "
+            "use 'cma' or 'basic'");
+      } else {
+        TORCH_CHECK(false, "unknown TensorPipe channel '", channel, "'");
+      }
+    }
+    context_->registerChannel(
+        kBasicPriority,
+        "basic",
+        tp::channel::basic::create());
+  }
+
+  ~TensorPipeTransportImpl() = default;
+
+  void listen(Transport::AcceptCallback onAccept) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      TORCH_CHECK(!closed_, "TensorPipeTransport::listen() after close()");
+      TORCH_CHECK(!listening_, "TensorPipeTransport::listen() called twice");
+      listening_ = true;
+    }
+    auto promise = std::make_shared<std::promise<std::string>>();
+    std::future<std::string> address = promise->get_future();
+    auto self = shared_from_this();
+    auto onAcceptShared =
+        std::make_shared<Transport::AcceptCallback>(std::move(onAccept));
+    bool posted =
+        connectionContext_->executor->post([self, promise, onAcceptShared]() {
+          try {
+            std::vector<std::string> urls = {
+                "uv://" + urlHost(self->options_.listenAddress)};
+            if (self->shm_) {
+              urls.push_back("shm://" + uniqueShmAddress());
+            }
+            self->listener_ = self->context_->listen(urls);
+            self->armAcceptFromLoop(self->listener_, onAcceptShared);
+            promise->set_value(self->listener_->url("uv"));
+          } catch (...) {
+            promise->set_exception(std::current_exception());
+          }
+        });
+    TORCH_CHECK(posted, "TensorPipeTransport::listen() after join()");
+    std::string url = address.get();
+    std::lock_guard<std::mutex> lock(mutex_);
+    address_ = std::move(url);
+  }
+
+  std::string address() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return address_;
+  }
+
+  std::shared_ptr<Connection> connect(const std::string& address) {
+    auto connection = std::make_shared<TensorPipeConnection>(
+        connectionContext_,
+        address,
+        nullptr);
+    bool schemeOk = address.rfind("uv://", 0) == 0 ||
+        (shm_ && address.rfind("shm://", 0) == 0);
+    if (!schemeOk) {
+      connection->failWithoutPipe(TransportError{
+          ErrorCode::kWorkerUnavailable,
+          "not a TensorPipe address this transport can reach: '" + address +
+              "'"});
+      return connection;
+    }
+    std::weak_ptr<TensorPipeTransportImpl> weakSelf = weak_from_this();
+    bool posted =
+        connectionContext_->executor->post([weakSelf, connection, address]() {
+          auto self = weakSelf.lock();
+          if (!self) {
+            connection->failWithoutPipe(TransportError{
+                ErrorCode::kWorkerUnavailable,
+                "transport destroyed"});
+            return;
+          }
+          try {
+            connection->setPipeFromLoop(self->context_->connect(
+                address,
+                tp::PipeOptions().remoteName(address)));
+          } catch (const std::exception& e) {
+            // E.g. an address that does not parse.
+            connection->failWithoutPipe(TransportError{
+                ErrorCode::kWorkerUnavailable,
+                "cannot connect to " + address + ": " + e.what()});
+          }
+        });
+    if (!posted) {
+      connection->failWithoutPipe(TransportError{
+          ErrorCode::kWorkerUnavailable,
+          "transport " + options_.name + " has been joined"});
+    }
+    return connection;
+  }
+
+  void close() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (closed_) {
+        return;
+      }
+      closed_ = true;
+    }
+    auto self = shared_from_this();
+    // Closing the context closes the listener and every pipe; their pending
+    // callbacks then fire with errors, which fails each connection.
+    connectionContext_->executor->post([self]() {
+      if (self->listener_) {
+        self->listener_->close();
+      }
+      self->context_->close();
+    });
+  }
+
+  void join() {
+    close();
+    auto& executor = connectionContext_->executor;
+    TORCH_CHECK(
+        !executor->inThread(),
+        "TensorPipeTransport::join() called from its own thread");
+    auto self = shared_from_this();
+    std::promise<void> joined;
+    std::future<void> done = joined.get_future();
+    if (executor->post([self, &joined]() {
+          self->context_->join();
+          self->listener_.reset();
+          joined.set_value();
+        })) {
+      // TensorPipe's join waits for its loops; it is bounded by their
+      // shutdown, which does not wait for peers.
+      done.wait();
+    }
+    executor->join();
+  }
+
+ private:
+  void registerMpt() {
+    std::vector<std::shared_ptr<tp::transport::Context>> contexts;
+    std::vector<std::shared_ptr<tp::transport::Listener>> listeners;
+    for (int lane = 0; lane < options_.mptLanes; ++lane) {
+      auto context = tp::transport::uv::create();
+      listeners.push_back(context->listen(options_.listenAddress));
+      contexts.push_back(std::move(context));
+    }
+    context_->registerChannel(
+        kMptPriority,
+        "mpt",
+        tp::channel::mpt::create(std::move(contexts), std::move(listeners)));
+  }
+
+  void armAcceptFromLoop(
+      const std::shared_ptr<tp::Listener>& listener,
+      const std::shared_ptr<Transport::AcceptCallback>& onAccept) {
+    std::weak_ptr<TensorPipeTransportImpl> weakSelf = weak_from_this();
+    std::weak_ptr<tp::Listener> weakListener = listener;
+    listener->accept([weakSelf, weakListener, onAccept](
+                         const tp::Error& error,
+                         std::shared_ptr<tp::Pipe> pipe) {
+      auto self = weakSelf.lock();
+      auto listener = weakListener.lock();
+      if (!self || !listener) {
+        return;
+      }
+      if (error) {
+        if (!error.isOfType<tp::ListenerClosedError>() &&
+            !error.isOfType<tp::ContextClosedError>()) {
+          // TensorPipe's listener errors are sticky: nothing more to accept.
+          LOG(WARNING) << "TensorPipeTransport " << self->options_.name
+                       << " stopped accepting: " << error.what();
+        }
+        return;
+      }
+      std::string peer = pipe->getRemoteName();
+      auto connection = std::make_shared<TensorPipeConnection>(
+          self->connectionContext_,
+          peer.empty() ? "accepted peer" : "peer of " + peer,
+          std::move(pipe));
+      // Re-arm first: a throwing or slow onAccept must not stop accepting.
+      self->armAcceptFromLoop(listener, onAccept);
+      (*onAccept)(std::move(connection));
+    });
+  }
+
+  const TensorPipeTransportOptions options_;
+  const std::shared_ptr<ConnectionContext> connectionContext_;
+  std::shared_ptr<tp::Context> context_;
+  bool shm_ = false;
+  // Touched on the executor only.
+  std::shared_ptr<tp::Listener> listener_;
+
+  mutable std::mutex mutex_;
+  bool listening_ = false;
+  bool closed_ = false;
+  std::string address_;
+};
+
+TensorPipeTransport::TensorPipeTransport(TensorPipeTransportOptions options)
+    : impl_(std::make_shared<TensorPipeTransportImpl>(std::move(options))) {}
+
+TensorPipeTransport::~TensorPipeTransport() {
+  impl_->join();
+}
+
+std::string TensorPipeTransport::name() const {
+  return "tensorpipe";
+}
+
+void TensorPipeTransport::listen(AcceptCallback onAccept) {
+  impl_->listen(std::move(onAccept));
+}
+
+std::string TensorPipeTransport::address() const {
+  return impl_->address();
+}
+
+std::shared_ptr<Connection> TensorPipeTransport::connect(
+    const std::string& address) {
+  return impl_->connect(address);
+}
+
+void TensorPipeTransport::close() {
+  impl_->close();
+}
+
+void TensorPipeTransport::join() {
+  impl_->join();
+}
+
+} // namespace detail
+} // namespace rpc
+} // namespace torchrpc
