@@ -28,8 +28,8 @@ void expectReceiveBuffer(const at::Tensor& tensor, size_t nbytes) {
 
 TEST(ReceiveBufferPool, SmallAndLargeBuffersHaveTheReceiveLayout) {
   auto pool = ReceiveBufferPool::create();
-  for (size_t nbytes : {size_t(0), size_t(1), size_t(1000), kMiB - 1, kMiB,
-                        3 * kMiB + 17}) {
+  for (size_t nbytes :
+       {size_t(0), size_t(1), size_t(1000), kMiB - 1, kMiB, 3 * kMiB + 17}) {
     at::Tensor buffer = pool->allocate(nbytes);
     expectReceiveBuffer(buffer, nbytes);
     if (nbytes > 0) {
@@ -47,8 +47,9 @@ TEST(ReceiveBufferPool, ReleasedBufferIsHandedOutAgain) {
     at::Tensor buffer = pool->allocate(4 * kMiB);
     first = buffer.data_ptr();
   }
-  EXPECT_EQ(pool->stats().retainedBytes, ReceiveBufferPool::bucketCapacity(
-                                              4 * kMiB));
+  EXPECT_EQ(
+      pool->stats().retainedBytes,
+      ReceiveBufferPool::bucketCapacity(4 * kMiB));
   // A slightly different size falls into the same bucket.
   at::Tensor again = pool->allocate(4 * kMiB - 100);
   EXPECT_EQ(again.data_ptr(), first);
@@ -128,9 +129,8 @@ TEST(ReceiveBufferPool, PooledVsFreshFillTime) {
     }
     return kBytes / best / 1e9;
   };
-  double fresh = timeFill([]() {
-    return at::empty({static_cast<int64_t>(kBytes)}, at::kByte);
-  });
+  double fresh = timeFill(
+      []() { return at::empty({static_cast<int64_t>(kBytes)}, at::kByte); });
   double pooled = timeFill([&]() { return pool->allocate(kBytes); });
   std::cout << "64 MiB allocate+fill: fresh " << fresh << " GB/s, pooled "
             << pooled << " GB/s" << std::endl;
