@@ -2,6 +2,7 @@
 // installed headers and libraries. Exit code 0 means the call came back right.
 #include <torchrpc/torchrpc.h>
 
+#include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <thread>
