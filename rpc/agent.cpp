@@ -304,7 +304,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       Message&& message) {
     wire::Envelope envelope;
     if (message.header.size() > options_.maxHeaderBytes ||
-        !envelope.ParseFromString(message.header) ||
+        !detail::parseEnvelope(message.header, &envelope) ||
         envelope.version() != kWireVersion) {
       // Nothing on this connection can be trusted any more; see STYLE.md on
       // errors: close this one pipe, keep serving everyone else.

@@ -36,6 +36,11 @@ namespace detail {
 // Nesting deeper than this is refused (both ways).
 constexpr int kMaxValueDepth = 64;
 
+// Parses an envelope with a nesting limit that fits kMaxValueDepth (each
+// value level takes up to four protobuf levels; protobuf's default of 100
+// would refuse values the codec accepts). False if the bytes do not parse.
+bool parseEnvelope(const std::string& bytes, wire::Envelope* envelope);
+
 // Encodes the values of one outgoing message. Tensors are collected in order;
 // descriptors are written to the envelope given to finish().
 class ValueEncoder {

@@ -135,6 +135,20 @@ TEST_P(RuntimeTest, ValuesOfEveryKindRoundTripExactly) {
   EXPECT_EQ(
       nestedBack.get(0).toGenericDict().at(3).toStringRef(), "three");
 
+  // Deep nesting, near the codec's cap, survives the envelope parser too.
+  c10::IValue deep(int64_t(7));
+  for (int level = 0; level < 60; ++level) {
+    c10::impl::GenericList wrapper(c10::AnyType::get());
+    wrapper.push_back(deep);
+    deep = wrapper;
+  }
+  auto deepBack = echo(deep);
+  for (int level = 0; level < 60; ++level) {
+    ASSERT_TRUE(deepBack.isList()) << "level " << level;
+    deepBack = deepBack.toList().get(0);
+  }
+  EXPECT_EQ(deepBack.toInt(), 7);
+
   // Tensors: dtypes, views, non-contiguous, empty, requires_grad.
   for (auto dtype :
        {at::kFloat, at::kDouble, at::kInt, at::kLong, at::kBool, at::kByte,

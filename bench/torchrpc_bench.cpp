@@ -1,0 +1,341 @@
+// The torchrpc side of bench/compare: runs one workload with two worker
+// processes on loopback and prints one JSON line,
+//   {"workload": W, "metric": M, "unit": U, "value": x, "better": B}
+// Each workload mirrors bench/pytorch_bench.py exactly (see bench/README.md).
+//
+//   torchrpc_bench --workload NAME [--transport tensorpipe|tensorpipe-shm]
+//                  [--quick]
+
+#include <ATen/ATen.h>
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "rpc/runtime.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using torchrpc::rpc::Options;
+using torchrpc::rpc::Runtime;
+
+struct Settings {
+  std::string workload;
+  std::string transport = "tensorpipe";
+  bool quick = false;
+};
+
+struct Result {
+  std::string metric;
+  std::string unit;
+  std::string better;
+};
+
+[[noreturn]] void usage(const std::string& why) {
+  std::cerr << "torchrpc_bench: " << why
+            << "\nusage: torchrpc_bench --workload NAME "
+               "[--transport tensorpipe|tensorpipe-shm] [--quick]\n";
+  std::exit(2);
+}
+
+Settings parse(int argc, char** argv) {
+  Settings s;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--workload" && i + 1 < argc) {
+      s.workload = argv[++i];
+    } else if (arg == "--transport" && i + 1 < argc) {
+      s.transport = argv[++i];
+    } else if (arg == "--quick") {
+      s.quick = true;
+    } else {
+      usage("unknown argument '" + arg + "'");
+    }
+  }
+  if (s.workload.empty()) {
+    usage("--workload is required");
+  }
+  return s;
+}
+
+Options workerOptions(int rank, const Settings& s, const std::string& store) {
+  Options o;
+  o.rank = rank;
+  o.worldSize = 2;
+  o.initMethod = "file://" + store;
+  o.transport = torchrpc::rpc::TransportKind::kTensorPipe;
+  if (s.transport == "tensorpipe") {
+    o.tensorpipeTransports = {"uv"};
+  } else if (s.transport == "tensorpipe-shm") {
+    o.tensorpipeTransports = {"shm", "uv"};
+  } else {
+    usage("unknown transport '" + s.transport + "'");
+  }
+  o.rendezvousTimeout = std::chrono::seconds(60);
+  o.shutdownTimeout = std::chrono::seconds(60);
+  return o;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+double microsSince(Clock::time_point start) {
+  return std::chrono::duration<double, std::micro>(Clock::now() - start)
+      .count();
+}
+
+// ---- the workloads, run on worker0 -----------------------------------------
+
+double callRtt(Runtime& rt, bool quick) {
+  auto x = at::ones({1});
+  int warmup = quick ? 100 : 500;
+  int timed = quick ? 1000 : 5000;
+  for (int i = 0; i < warmup; ++i) {
+    rt.rpcSync<at::Tensor>("worker1", "add_one", x);
+  }
+  std::vector<double> times;
+  times.reserve(timed);
+  for (int i = 0; i < timed; ++i) {
+    auto start = Clock::now();
+    rt.rpcSync<at::Tensor>("worker1", "add_one", x);
+    times.push_back(microsSince(start));
+  }
+  return median(times);
+}
+
+// A FIFO window of at most 64 outstanding calls; returns the seconds taken.
+double pipelined(Runtime& rt, int calls) {
+  auto x = at::ones({1});
+  std::deque<torchrpc::rpc::Future<at::Tensor>> window;
+  auto start = Clock::now();
+  int issued = 0;
+  while (issued < calls && window.size() < 64) {
+    window.push_back(rt.rpcAsync<at::Tensor>("worker1", "add_one", x));
+    ++issued;
+  }
+  while (!window.empty()) {
+    window.front().wait();
+    window.pop_front();
+    if (issued < calls) {
+      window.push_back(rt.rpcAsync<at::Tensor>("worker1", "add_one", x));
+      ++issued;
+    }
+  }
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+double callsPerSecond(Runtime& rt, bool quick) {
+  pipelined(rt, quick ? 500 : 2000);
+  int calls = quick ? 3000 : 20000;
+  return calls / pipelined(rt, calls);
+}
+
+double bandwidth(Runtime& rt, size_t bytes, bool quick) {
+  bool big = bytes > (8u << 20);
+  int warmup = big ? (quick ? 1 : 2) : (quick ? 3 : 5);
+  int timed = big ? (quick ? 5 : 20) : (quick ? 10 : 50);
+  auto t = at::rand({static_cast<int64_t>(bytes / 4)});
+  for (int i = 0; i < warmup; ++i) {
+    rt.rpcSync<at::Tensor>("worker1", "sink", t);
+  }
+  std::vector<double> times;
+  for (int i = 0; i < timed; ++i) {
+    auto start = Clock::now();
+    rt.rpcSync<at::Tensor>("worker1", "sink", t);
+    times.push_back(microsSince(start));
+  }
+  double total = 0;
+  for (double us : times) {
+    total += us;
+  }
+  std::cerr << "aggregate: " << bytes * timed / (total * 1e3) << " GB/s\n";
+  return bytes / (median(times) * 1e3);
+}
+
+// ---- processes ---------------------------------------------------------------
+
+// CPU seconds (user + sys, all threads) a process has used.
+double cpuSeconds(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  auto close = text.rfind(')');
+  std::istringstream fields(text.substr(close + 2));
+  std::string field;
+  double ticks = 0;
+  // Fields after the name start at 3 (state); utime and stime are 14, 15.
+  for (int index = 3; index <= 15 && fields >> field; ++index) {
+    if (index == 14 || index == 15) {
+      ticks += std::stod(field);
+    }
+  }
+  return ticks / sysconf(_SC_CLK_TCK);
+}
+
+void writeAll(int fd, const void* data, size_t size) {
+  auto* bytes = static_cast<const char*>(data);
+  while (size > 0) {
+    ssize_t n = ::write(fd, bytes, size);
+    if (n <= 0) {
+      return;
+    }
+    bytes += n;
+    size -= static_cast<size_t>(n);
+  }
+}
+
+bool readWithin(int fd, void* data, size_t size, int timeoutMs) {
+  pollfd pfd{fd, POLLIN, 0};
+  if (::poll(&pfd, 1, timeoutMs) != 1) {
+    return false;
+  }
+  return ::read(fd, data, size) == static_cast<ssize_t>(size);
+}
+
+int runWorker(
+    int rank,
+    const Settings& s,
+    const std::string& store,
+    int resultFd,
+    int goFd) {
+  Runtime rt("worker" + std::to_string(rank), workerOptions(rank, s, store));
+  rt.functions().add("add_one", [](at::Tensor x) { return x + 1; });
+  rt.functions().add("sink", [](at::Tensor) { return at::zeros({1}); });
+  rt.start();
+  if (s.workload == "idle_cpu_cores") {
+    if (rank == 0) {
+      rt.rpcSync<at::Tensor>("worker1", "add_one", at::ones({1}));
+    }
+    char ready = 1;
+    writeAll(resultFd, &ready, 1);
+    char go = 0;
+    readWithin(goFd, &go, 1, 120000); // blocks without using CPU
+  } else if (rank == 0) {
+    double value = 0;
+    if (s.workload == "call_rtt_1elem") {
+      value = callRtt(rt, s.quick);
+    } else if (s.workload == "calls_per_s_64_outstanding") {
+      value = callsPerSecond(rt, s.quick);
+    } else if (s.workload == "bandwidth_4MiB") {
+      value = bandwidth(rt, size_t(4) << 20, s.quick);
+    } else if (s.workload == "bandwidth_64MiB") {
+      value = bandwidth(rt, size_t(64) << 20, s.quick);
+    }
+    writeAll(resultFd, &value, sizeof(value));
+  }
+  return rt.shutdown() ? 0 : 1;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  Settings s = parse(argc, argv);
+  static const std::vector<std::pair<std::string, Result>> kWorkloads = {
+      {"call_rtt_1elem", {"median_rtt", "us", "lower"}},
+      {"calls_per_s_64_outstanding", {"throughput", "calls/s", "higher"}},
+      {"bandwidth_4MiB", {"bandwidth", "GB/s", "higher"}},
+      {"bandwidth_64MiB", {"bandwidth", "GB/s", "higher"}},
+      {"idle_cpu_cores", {"idle_cpu", "cores", "lower"}},
+  };
+  auto known = std::find_if(
+      kWorkloads.begin(), kWorkloads.end(), [&](const auto& w) {
+        return w.first == s.workload;
+      });
+  if (known == kWorkloads.end()) {
+    usage("unknown workload '" + s.workload + "'");
+  }
+  const Result& result = known->second;
+
+  std::string store = "/tmp/torchrpc_bench_" + std::to_string(::getpid());
+  std::remove(store.c_str());
+  int results[2];
+  int go[2];
+  if (::pipe(results) != 0 || ::pipe(go) != 0) {
+    std::perror("pipe");
+    return 1;
+  }
+  std::fflush(nullptr);
+  pid_t pids[2];
+  for (int rank = 0; rank < 2; ++rank) {
+    pids[rank] = ::fork();
+    if (pids[rank] == 0) {
+      int code = 1;
+      try {
+        code = runWorker(rank, s, store, results[1], go[0]);
+      } catch (const std::exception& e) {
+        std::cerr << "worker" << rank << ": " << e.what() << "\n";
+      }
+      std::fflush(nullptr);
+      ::_exit(code);
+    }
+  }
+  auto killAll = [&]() {
+    for (pid_t pid : pids) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+    std::remove(store.c_str());
+  };
+
+  double value = 0;
+  bool ok = true;
+  int limitMs = s.quick ? 90000 : 240000;
+  if (s.workload == "idle_cpu_cores") {
+    char ready[2];
+    ok = readWithin(results[0], &ready[0], 1, limitMs) &&
+        readWithin(results[0], &ready[1], 1, limitMs);
+    if (ok) {
+      double seconds = s.quick ? 2.0 : 5.0;
+      double before = cpuSeconds(pids[0]) + cpuSeconds(pids[1]);
+      auto start = Clock::now();
+      ::usleep(static_cast<useconds_t>(seconds * 1e6));
+      double used = cpuSeconds(pids[0]) + cpuSeconds(pids[1]) - before;
+      value = used /
+          std::chrono::duration<double>(Clock::now() - start).count();
+    }
+    char release[2] = {1, 1};
+    writeAll(go[1], release, 2);
+  } else {
+    ok = readWithin(results[0], &value, sizeof(value), limitMs);
+  }
+  if (!ok) {
+    std::cerr << "torchrpc_bench: workers did not deliver a result\n";
+    killAll();
+    return 1;
+  }
+  for (pid_t pid : pids) {
+    int status = 0;
+    for (int i = 0; i < 6000 && ::waitpid(pid, &status, WNOHANG) == 0; ++i) {
+      ::usleep(10000);
+    }
+  }
+  killAll(); // reaps whatever is left
+  std::printf(
+      "{\"workload\": \"%s\", \"metric\": \"%s\", \"unit\": \"%s\", "
+      "\"value\": %.6g, \"better\": \"%s\", \"transport\": \"%s\"}\n",
+      s.workload.c_str(),
+      result.metric.c_str(),
+      result.unit.c_str(),
+      value,
+      result.better.c_str(),
+      s.transport.c_str());
+  return 0;
+}
