@@ -380,13 +380,18 @@ class InProcessConnection
 
   void schedulePump(Clock::time_point due) {
     std::weak_ptr<InProcessConnection> weakSelf = weak_from_this();
-    postOrDrop(
+    bool posted = context_->executor->post(
         [weakSelf]() {
           if (auto self = weakSelf.lock()) {
             self->pump();
           }
         },
         due);
+    if (!posted) {
+      // The owner has joined: no delivery thread is left to report the
+      // error, so it is reported here (see the NB in the header).
+      pump();
+    }
   }
 
   // On the executor: delivers what is in the inbox, or reports the error.

@@ -112,8 +112,9 @@ class InProcessNetwork {
 // with kMalformedMessage and closes the connection (the sender then sees
 // kWorkerUnavailable).
 //
-// NB: after join() no thread is left, so a send() on a surviving connection
-// runs its done callback inline, with kWorkerUnavailable.
+// NB: after join() no thread is left, so on a surviving connection send()
+// runs its done callback inline (with kWorkerUnavailable) and start() runs
+// onError inline. join() and the destructor must not run on a callback.
 class InProcessTransport : public Transport {
  public:
   InProcessTransport(

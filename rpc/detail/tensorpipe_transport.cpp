@@ -408,10 +408,12 @@ class TensorPipeConnection
       std::lock_guard<std::mutex> lock(mutex_);
       local = closedLocally_;
     }
-    return fail(
-        local
-            ? TransportError{ErrorCode::kWorkerUnavailable, "connection to " + peer_ + " closed locally"}
-            : fromTensorPipe(error, "connection to " + peer_));
+    if (local) {
+      return fail(TransportError{
+          ErrorCode::kWorkerUnavailable,
+          "connection to " + peer_ + " closed locally"});
+    }
+    return fail(fromTensorPipe(error, "connection to " + peer_));
   }
 
   // The first error sticks; onError runs once, after start().

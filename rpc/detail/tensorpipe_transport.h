@@ -46,7 +46,8 @@ struct TensorPipeTransportOptions {
 // thread, through which every call into TensorPipe is made so that
 // TensorPipe never runs callbacks inline on a caller's thread. Callbacks of
 // one connection never run concurrently. After join(), a send() on a
-// surviving connection runs its done callback inline with an error.
+// surviving connection runs its done callback inline with an error, and
+// start() runs onError inline.
 //
 // Errors: a peer that goes away, refuses, or closes gives kWorkerUnavailable;
 // a descriptor over a cap, or with an unexpected layout, gives

@@ -373,6 +373,27 @@ TEST_P(TransportTest, ConnectToDeadAddressFailsThroughOnError) {
   }
 }
 
+TEST_P(TransportTest, ConnectOnAClosedTransportFails) {
+  auto server = makeTransport();
+  auto client = makeTransport();
+  Acceptor acceptor(*server);
+  client->close();
+  for (bool joined : {false, true}) {
+    SCOPED_TRACE(joined ? "after join" : "after close");
+    if (joined) {
+      client->join();
+    }
+    auto connection = client->connect(server->address());
+    auto inbox = startWithInbox(connection);
+    SendTracker sends;
+    connection->send(makeMessage("x", {}), sends.callback());
+    ASSERT_TRUE(inbox->waitForError());
+    EXPECT_EQ(inbox->errors()[0].code, ErrorCode::kWorkerUnavailable);
+    ASSERT_TRUE(sends.waitAll());
+    EXPECT_EQ(sends.errorCount(), 1u);
+  }
+}
+
 TEST_P(TransportTest, ClosingOneSideFailsTheOtherOnce) {
   auto server = makeTransport();
   auto client = makeTransport();
