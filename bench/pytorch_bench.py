@@ -324,7 +324,7 @@ def _log_dist(what, samples_ns):
 torch = None  # imported lazily in workers (parent never needs torch)
 
 
-def worker_main(rank, workload, quick, result_q, ready_q, release_ev, start_ev):
+def worker_main(rank, workload, quick, result_q, ready_q, release_ev, start_ev, w1_idle_ev):
     global torch
     # Keep stdout clean for the single JSON line printed by the parent.
     os.dup2(2, 1)
@@ -335,13 +335,22 @@ def worker_main(rank, workload, quick, result_q, ready_q, release_ev, start_ev):
     ctx = {}
     try:
         if workload == "dist_autograd_overhead":
+            # The local baseline runs while worker1 is fully idle: worker1 has
+            # finished importing torch and blocks on start_ev.
             if rank == 0:
+                if not w1_idle_ev.wait(120):
+                    raise RuntimeError("timed out waiting for worker1 to be idle")
                 ctx["local_median_ns"] = local_baseline(quick)
                 start_ev.set()
             else:
+                w1_idle_ev.set()
                 if not start_ev.wait(120):
                     raise RuntimeError("timed out waiting for worker0's local baseline")
-        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)  # default TensorPipe options
+        opts = None  # default TensorPipe options unless --tp-transports (experiments only)
+        if os.environ.get("PYTORCH_BENCH_TP_TRANSPORTS"):
+            opts = rpc.TensorPipeRpcBackendOptions(
+                _transports=os.environ["PYTORCH_BENCH_TP_TRANSPORTS"].split(","))
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
         if rank == 0:
             value = DRIVERS[workload](quick, ctx)
         if workload == "idle_cpu_cores":
@@ -416,8 +425,12 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke test)")
     ap.add_argument("--timeout", type=float, default=None,
                     help="kill everything after this many seconds (default 60 quick / 150 normal)")
+    ap.add_argument("--tp-transports", default=None,
+                    help="experiments only: TensorPipe transports, e.g. 'uv' (default: PyTorch's defaults)")
     args = ap.parse_args()
     wl = args.workload
+    if args.tp_transports:
+        os.environ["PYTORCH_BENCH_TP_TRANSPORTS"] = args.tp_transports
     timeout = args.timeout or (60.0 if args.quick else 150.0)
 
     import multiprocessing as mp
@@ -435,8 +448,9 @@ def main():
     ready_q = mpc.Queue()
     release_ev = mpc.Event()
     start_ev = mpc.Event()
+    w1_idle_ev = mpc.Event()
     procs = [mpc.Process(target=worker_main, name=f"worker{r}",
-                         args=(r, wl, args.quick, result_q, ready_q, release_ev, start_ev))
+                         args=(r, wl, args.quick, result_q, ready_q, release_ev, start_ev, w1_idle_ev))
              for r in range(2)]
     deadline = time.monotonic() + timeout
     value = None
@@ -505,6 +519,7 @@ def main():
     finally:
         release_ev.set()
         start_ev.set()
+        w1_idle_ev.set()
         for p in procs:
             if p.pid is not None and p.exitcode is None:
                 try:
