@@ -530,30 +530,30 @@ class TensorPipeTransportImpl
       TORCH_CHECK(!listening_, "TensorPipeTransport::listen() called twice");
       listening_ = true;
     }
-    auto promise = std::make_shared<std::promise<std::string>>();
-    std::future<std::string> address = promise->get_future();
+    auto promise = std::make_shared<std::promise<void>>();
+    std::future<void> listening = promise->get_future();
     auto self = shared_from_this();
     auto onAcceptShared =
         std::make_shared<Transport::AcceptCallback>(std::move(onAccept));
     bool posted =
         connectionContext_->executor->post([self, promise, onAcceptShared]() {
           try {
-            std::vector<std::string> urls = {
-                "uv://" + urlHost(self->options_.listenAddress)};
-            if (self->shm_) {
-              urls.push_back("shm://" + uniqueShmAddress());
+            self->listener_ = self->listenFromLoop(
+                "uv://" + urlHost(self->options_.listenAddress));
+            {
+              // Before accepting: listening again needs the address.
+              std::lock_guard<std::mutex> lock(self->mutex_);
+              self->address_ = self->listener_->url("uv");
             }
-            self->listener_ = self->context_->listen(urls);
-            self->armAcceptFromLoop(self->listener_, onAcceptShared);
-            promise->set_value(self->listener_->url("uv"));
+            self->armAcceptFromLoop(self->listener_, onAcceptShared, 0);
+            promise->set_value();
           } catch (...) {
             promise->set_exception(std::current_exception());
           }
         });
     TORCH_CHECK(posted, "TensorPipeTransport::listen() after join()");
-    std::string url = address.get();
-    std::lock_guard<std::mutex> lock(mutex_);
-    address_ = std::move(url);
+    // Rethrows what listen threw (e.g. an address we cannot bind).
+    listening.get();
   }
 
   std::string address() const {
@@ -659,12 +659,17 @@ class TensorPipeTransportImpl
         tp::channel::mpt::create(std::move(contexts), std::move(listeners)));
   }
 
+  // NB: TensorPipe's listener takes any error of a connection it accepts
+  // (a port scan's EOF, a peer that does not speak TensorPipe) as its own
+  // and stops accepting for good. So on such an error we listen again on
+  // the same address, backing off a little while errors repeat.
   void armAcceptFromLoop(
       const std::shared_ptr<tp::Listener>& listener,
-      const std::shared_ptr<Transport::AcceptCallback>& onAccept) {
+      const std::shared_ptr<Transport::AcceptCallback>& onAccept,
+      int failures) {
     std::weak_ptr<TensorPipeTransportImpl> weakSelf = weak_from_this();
     std::weak_ptr<tp::Listener> weakListener = listener;
-    listener->accept([weakSelf, weakListener, onAccept](
+    listener->accept([weakSelf, weakListener, onAccept, failures](
                          const tp::Error& error,
                          std::shared_ptr<tp::Pipe> pipe) {
       auto self = weakSelf.lock();
@@ -673,12 +678,16 @@ class TensorPipeTransportImpl
         return;
       }
       if (error) {
-        if (!error.isOfType<tp::ListenerClosedError>() &&
-            !error.isOfType<tp::ContextClosedError>()) {
-          // TensorPipe's listener errors are sticky: nothing more to accept.
-          LOG(WARNING) << "TensorPipeTransport " << self->options_.name
-                       << " stopped accepting: " << error.what();
+        if (error.isOfType<tp::ListenerClosedError>() ||
+            error.isOfType<tp::ContextClosedError>()) {
+          return;
         }
+        LOG(WARNING) << "TensorPipeTransport " << self->options_.name
+                     << " listener failed (" << error.what()
+                     << "); listening again";
+        self->connectionContext_->executor->post([self, onAccept, failures]() {
+          self->relistenFromLoop(onAccept, failures + 1);
+        });
         return;
       }
       std::string peer = pipe->getRemoteName();
@@ -687,9 +696,46 @@ class TensorPipeTransportImpl
           peer.empty() ? "accepted peer" : "peer of " + peer,
           std::move(pipe));
       // Re-arm first: a throwing or slow onAccept must not stop accepting.
-      self->armAcceptFromLoop(listener, onAccept);
+      self->armAcceptFromLoop(listener, onAccept, 0);
       (*onAccept)(std::move(connection));
     });
+  }
+
+  // On the executor.
+  std::shared_ptr<tp::Listener> listenFromLoop(const std::string& uvUrl) {
+    std::vector<std::string> urls = {uvUrl};
+    if (shm_) {
+      urls.push_back("shm://" + uniqueShmAddress());
+    }
+    return context_->listen(urls);
+  }
+
+  // On the executor.
+  void relistenFromLoop(
+      const std::shared_ptr<Transport::AcceptCallback>& onAccept,
+      int failures) {
+    std::string url;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (closed_) {
+        return;
+      }
+      url = address_;
+    }
+    if (listener_) {
+      listener_->close();
+    }
+    // The old socket closes asynchronously; a bind that still finds the
+    // port busy fails through the accept callback and comes back here.
+    std::this_thread::sleep_for(
+        std::chrono::milliseconds(std::min(failures, 10) * 10));
+    try {
+      listener_ = listenFromLoop(url);
+      armAcceptFromLoop(listener_, onAccept, failures);
+    } catch (const std::exception& e) {
+      LOG(ERROR) << "TensorPipeTransport " << options_.name
+                 << " cannot listen again on " << url << ": " << e.what();
+    }
   }
 
   const TensorPipeTransportOptions options_;

@@ -52,6 +52,14 @@ struct TensorPipeTransportOptions {
 // Errors: a peer that goes away, refuses, or closes gives kWorkerUnavailable;
 // a descriptor over a cap, or with an unexpected layout, gives
 // kMalformedMessage and closes that pipe only.
+//
+// NB: TensorPipe's listener dies on any failed handshake (a port scan's
+// EOF); this transport then listens again on the same address, so connects
+// in that short window are refused. Bytes that are not TensorPipe's
+// protocol (e.g. a bogus length prefix) make TensorPipe throw std::bad_alloc
+// on its loop thread, which terminates the process; that is inside
+// TensorPipe and cannot be caught here. Keep this transport off untrusted
+// networks.
 class TensorPipeTransport : public Transport {
  public:
   explicit TensorPipeTransport(TensorPipeTransportOptions options);

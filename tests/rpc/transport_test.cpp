@@ -3,7 +3,11 @@
 // them has (fault injection, TensorPipe channels and shm).
 
 #include <ATen/ATen.h>
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -803,6 +807,39 @@ TEST(TensorPipeTransport, ShmOnOneSideFallsBackToUv) {
   detail::TensorPipeTransportOptions withShm;
   withShm.transports = {"uv", "shm"};
   roundTrip(withShm, detail::TensorPipeTransportOptions(), kMiB);
+}
+
+TEST(TensorPipeTransport, ListenerSurvivesPortScans) {
+  detail::TensorPipeTransport server(detail::TensorPipeTransportOptions{});
+  detail::TensorPipeTransport client(detail::TensorPipeTransportOptions{});
+  Acceptor acceptor(server);
+  std::string address = server.address();
+  int port = std::stoi(address.substr(address.rfind(':') + 1));
+  for (int i = 0; i < 3; ++i) {
+    // Connect and hang up without a byte, as a port scanner does.
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in peer{};
+    peer.sin_family = AF_INET;
+    peer.sin_port = htons(static_cast<uint16_t>(port));
+    ::inet_pton(AF_INET, "127.0.0.1", &peer.sin_addr);
+    ASSERT_EQ(
+        ::connect(fd, reinterpret_cast<sockaddr*>(&peer), sizeof(peer)),
+        0);
+    std::this_thread::sleep_for(50ms);
+    ::close(fd);
+    // NB: while the listener is being replaced, connects are refused.
+    std::this_thread::sleep_for(300ms);
+  }
+  EXPECT_EQ(server.address(), address);
+  auto connection = client.connect(address);
+  startWithInbox(connection);
+  connection->send(makeMessage("after scans", {}), [](const TransportError*) {
+  });
+  auto accepted = acceptor.waitFor(0);
+  ASSERT_NE(accepted.connection, nullptr);
+  ASSERT_TRUE(accepted.inbox->waitForMessages(1, kTimeout));
+  EXPECT_EQ(accepted.inbox->messages()[0].header, "after scans");
 }
 
 TEST(TensorPipeTransport, UnknownTransportOrChannelIsRefused) {
