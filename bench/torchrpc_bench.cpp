@@ -74,8 +74,10 @@ Settings parse(int argc, char** argv) {
   return s;
 }
 
+// TORCHRPC_* variables (threads, spin, ...) apply; the job's shape and the
+// rendezvous are the benchmark's own.
 Options workerOptions(int rank, const Settings& s, const std::string& store) {
-  Options o;
+  Options o = Options::fromEnvironment();
   o.rank = rank;
   o.worldSize = 2;
   o.initMethod = "file://" + store;

@@ -4,7 +4,6 @@
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/steady_timer.hpp>
-#include <c10/core/thread_pool.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
 
@@ -17,6 +16,7 @@
 #include <unordered_set>
 
 #include "proto/rpc/envelope.pb.h"
+#include "rpc/detail/spinning_thread_pool.h"
 #include "rpc/detail/value_codec.h"
 
 namespace torchrpc {
@@ -61,7 +61,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       : self_(std::move(self)),
         options_(options),
         transport_(std::move(transport)),
-        pool_(std::max<size_t>(1, options.numWorkerThreads)),
+        pool_(std::max<size_t>(1, options.numWorkerThreads), options.spinAfterWork),
         timerWork_(boost::asio::make_work_guard(timerContext_)),
         timer_(timerContext_) {
     timerThread_ = std::thread([this]() { timerContext_.run(); });
@@ -244,8 +244,15 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
           if (error == nullptr) {
             return;
           }
+          // Transport callbacks may run on a caller's thread; completing a
+          // future runs user continuations, so do it on the pool.
           if (auto self = weak.lock()) {
-            self->failPending(id, error->code, error->detail);
+            TransportError failure = *error;
+            self->pool_.run([weak, id, failure]() {
+              if (auto self = weak.lock()) {
+                self->failPending(id, failure.code, failure.detail);
+              }
+            });
           }
         });
     return future;
@@ -294,7 +301,12 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
           auto self = weak.lock();
           auto conn = weakState.lock();
           if (self && conn) {
-            self->onConnectionError(conn, error);
+            // As for send errors: pending calls fail on the pool.
+            self->pool_.run([weak, conn, error]() {
+              if (auto self = weak.lock()) {
+                self->onConnectionError(conn, error);
+              }
+            });
           }
         });
   }
@@ -973,7 +985,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
   std::atomic<bool> closed_{false};
   std::atomic<ErrorCode> closeCode_{ErrorCode::kShuttingDown};
 
-  c10::ThreadPool pool_;
+  detail::SpinningThreadPool pool_;
   boost::asio::io_context timerContext_;
   boost::asio::executor_work_guard<boost::asio::io_context::executor_type>
       timerWork_;

@@ -2,6 +2,9 @@
 
 #include <ATen/core/ivalue.h>
 
+#include <atomic>
+#include <chrono>
+#include <thread>
 #include <type_traits>
 #include <utility>
 
@@ -68,8 +71,11 @@ class Future {
         function_(std::move(function)) {}
 
   // Blocks until completion; returns the value or throws the error (an
-  // RpcError for everything torchrpc raises).
+  // RpcError for everything torchrpc raises). Polls briefly before it
+  // sleeps: a reply that comes within kWaitSpin then needs no wake-up
+  // (see Note [Adaptive spin] in rpc/detail/spinning_thread_pool.h).
   T wait() const {
+    spinUntilCompleted();
     impl_->waitAndThrow();
     return detail::convertResult<T>(impl_->value(), worker_, function_);
   }
@@ -111,6 +117,18 @@ class Future {
   }
 
  private:
+  static constexpr std::chrono::microseconds kWaitSpin{200};
+
+  void spinUntilCompleted() const {
+    auto until = std::chrono::steady_clock::now() + kWaitSpin;
+    for (int i = 0; !impl_->completed(); ++i) {
+      if ((i & 63) == 0 && std::chrono::steady_clock::now() > until) {
+        return;
+      }
+      std::this_thread::yield(); // lets the transport threads run here
+    }
+  }
+
   template <typename U, typename F, typename... Args>
   static c10::IValue invokeToIValue(F& fn, Args&&... args) {
     if constexpr (std::is_void<U>::value) {
@@ -128,6 +146,7 @@ class Future {
 
 template <>
 inline void Future<void>::wait() const {
+  spinUntilCompleted();
   impl_->waitAndThrow();
 }
 

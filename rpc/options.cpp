@@ -50,6 +50,9 @@ Options Options::fromEnvironment() {
   options.numWorkerThreads = static_cast<size_t>(threads);
   options.defaultTimeout = std::chrono::milliseconds(
       envInt("TORCHRPC_TIMEOUT_MS", options.defaultTimeout.count()));
+  int64_t spin = envInt("TORCHRPC_SPIN_US", options.spinAfterWork.count());
+  TORCH_CHECK(spin >= 0, "TORCHRPC_SPIN_US must not be negative");
+  options.spinAfterWork = std::chrono::microseconds(spin);
   if (const char* transport = env("TORCHRPC_TRANSPORT")) {
     std::string name = transport;
     if (name == "tensorpipe") {

@@ -58,6 +58,11 @@ struct Options {
 
   // Threads that run handlers and continuations.
   size_t numWorkerThreads = 4;
+  // After finishing work, one of those threads polls for more for this long
+  // before it sleeps, so a conversation's next message finds it awake (on
+  // virtual machines a wake-up costs far more than a round trip). Idle
+  // workers use no CPU. Zero turns it off. See Note [Adaptive spin].
+  std::chrono::microseconds spinAfterWork{200};
   // Deadline of a call that does not set its own; zero means none.
   std::chrono::milliseconds defaultTimeout{std::chrono::seconds(60)};
   // How long a graceful shutdown waits for the other workers before it
@@ -94,7 +99,7 @@ struct Options {
 
   // Reads RANK, WORLD_SIZE, MASTER_ADDR/MASTER_PORT (init method env://),
   // TORCHRPC_INIT_METHOD, TORCHRPC_LISTEN_ADDR, TORCHRPC_NUM_THREADS,
-  // TORCHRPC_TIMEOUT_MS and TORCHRPC_TRANSPORT ("tensorpipe", "tensorpipe-shm").
+  // TORCHRPC_TIMEOUT_MS, TORCHRPC_SPIN_US and TORCHRPC_TRANSPORT ("tensorpipe", "tensorpipe-shm").
   // Missing RANK/WORLD_SIZE default to 0 and 1.
   static Options fromEnvironment();
 };

@@ -42,8 +42,11 @@ struct TransportLimits {
 
 // One bidirectional, ordered message stream to a peer.
 //
-// Thread model: every callback runs on a thread owned by the transport and
-// must not block; the agent hands real work to its own pool.
+// Thread model: callbacks run on the transport's threads, or on a thread that
+// is calling into the transport (TensorPipe lets the thread that enters a
+// pipe run queued callbacks of other connections). So callbacks must not
+// block, and must not take a lock the caller of send()/connect() may hold;
+// the agent only hands work to its own pool from them.
 class Connection {
  public:
   using ReceiveCallback = std::function<void(Message&&)>;

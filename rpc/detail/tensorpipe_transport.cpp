@@ -5,6 +5,8 @@
 #include <tensorpipe/tensorpipe.h>
 
 #include <pthread.h>
+
+#include <algorithm>
 #include <signal.h>
 #include <unistd.h>
 
@@ -33,6 +35,19 @@ constexpr int64_t kShmPriority = 200;
 constexpr int64_t kBasicPriority = 0;
 constexpr int64_t kMptPriority = 1100;
 constexpr int64_t kCmaPriority = 1200;
+
+// Note [Small tensors travel as payloads]
+// A tensor given to a TensorPipe channel costs that channel's own control
+// messages and, for cma, a hand-off to the channel's thread: for a call with
+// a few bytes of tensor data that doubled the cost of the call. Tensors up to
+// kMaxInlineTensorBytes therefore go as payloads of the message, on the
+// connection that carries the header; larger ones go to the channels. The
+// message's metadata says, per wire tensor in order, which way it went
+// (kInlineTensor or kChannelTensor); the receiver checks that layout
+// against the descriptor before it allocates anything.
+constexpr size_t kMaxInlineTensorBytes = 64 * 1024;
+constexpr char kInlineTensor = 'p';
+constexpr char kChannelTensor = 't';
 
 // The thread through which this transport calls into TensorPipe. TensorPipe
 // runs its loop on whichever thread enters it, so calling it from user
@@ -180,7 +195,7 @@ class TensorPipeConnection
     context_->executor->post([pipe]() { pipe->close(); });
   }
 
-  // On the executor, before any other task of this connection.
+  // Before the connection is handed out.
   void setPipeFromLoop(std::shared_ptr<tp::Pipe> pipe) {
     pipe_ = std::move(pipe);
   }
@@ -200,27 +215,16 @@ class TensorPipeConnection
       onMessage_ = std::move(onMessage);
       onError_ = std::move(onError);
     }
-    auto self = shared_from_this();
-    auto task = [self]() {
-      if (self->pipe_) {
-        // A failed pipe fails this read at once, which reports the error.
-        self->readNextFromLoop();
-      } else {
-        TransportError error;
-        {
-          std::lock_guard<std::mutex> lock(self->mutex_);
-          error = self->error_;
-        }
-        self->fail(error);
+    if (pipe_) {
+      // A failed pipe fails this read at once, which reports the error.
+      readNextFromLoop();
+    } else {
+      TransportError error;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        error = error_;
       }
-    };
-    if (!context_->executor->post(task)) {
-      failWithoutPipe(TransportError{
-          ErrorCode::kWorkerUnavailable,
-          "transport " + context_->name + " has been joined"});
-      fail(TransportError{
-          ErrorCode::kWorkerUnavailable,
-          "transport " + context_->name + " has been joined"});
+      fail(error);
     }
   }
 
@@ -231,15 +235,9 @@ class TensorPipeConnection
           "TensorPipeTransport sends contiguous CPU tensors only");
     }
     // Keeps header and tensors alive until TensorPipe is done with them.
-    auto holder = std::make_shared<Message>(std::move(message));
-    auto self = shared_from_this();
-    auto task = [self, holder, done]() { self->writeFromLoop(holder, done); };
-    if (!context_->executor->post(task)) {
-      TransportError error{
-          ErrorCode::kWorkerUnavailable,
-          "transport " + context_->name + " has been joined"};
-      done(&error);
-    }
+    // TensorPipe hands the write to its own loop, so no hop of ours is
+    // needed (each costs a thread wake-up, the main part of a round trip).
+    writeFromLoop(std::make_shared<Message>(std::move(message)), done);
   }
 
   void close() override {
@@ -280,9 +278,24 @@ class TensorPipeConnection
   // Checks the caps before anything is allocated. Empty if fine.
   std::string checkDescriptor(const tp::Descriptor& descriptor) const {
     const TransportLimits& limits = context_->limits;
-    if (descriptor.payloads.size() != 1 || !descriptor.metadata.empty()) {
+    // See Note [Small tensors travel as payloads].
+    const std::string& layout = descriptor.metadata;
+    if (layout.size() > limits.maxTensorsPerMessage) {
+      return std::to_string(layout.size()) +
+          " tensors exceed the cap of " +
+          std::to_string(limits.maxTensorsPerMessage);
+    }
+    size_t inlined = static_cast<size_t>(
+        std::count(layout.begin(), layout.end(), kInlineTensor));
+    size_t outOfBand = static_cast<size_t>(
+        std::count(layout.begin(), layout.end(), kChannelTensor));
+    if (descriptor.payloads.empty() ||
+        inlined + outOfBand != layout.size() ||
+        descriptor.payloads.size() != 1 + inlined ||
+        descriptor.tensors.size() != outOfBand) {
       return "unexpected message layout (" +
-          std::to_string(descriptor.payloads.size()) + " payloads)";
+          std::to_string(descriptor.payloads.size()) + " payloads, " +
+          std::to_string(descriptor.tensors.size()) + " tensors)";
     }
     size_t header = descriptor.payloads[0].length;
     if (header > limits.maxHeaderBytes) {
@@ -295,6 +308,15 @@ class TensorPipeConnection
           std::to_string(limits.maxTensorsPerMessage);
     }
     size_t total = header;
+    for (size_t i = 1; i < descriptor.payloads.size(); ++i) {
+      size_t length = descriptor.payloads[i].length;
+      if (length > limits.maxMessageBytes ||
+          total + length > limits.maxMessageBytes) {
+        return "message exceeds the cap of " +
+            std::to_string(limits.maxMessageBytes) + " bytes";
+      }
+      total += length;
+    }
     for (const tp::Descriptor::Tensor& tensor : descriptor.tensors) {
       if (tensor.sourceDevice.type != tp::kCpuDeviceType ||
           (tensor.targetDevice.has_value() &&
@@ -328,11 +350,22 @@ class TensorPipeConnection
     tp::Allocation allocation;
     holder->header.resize(descriptor.payloads[0].length);
     allocation.payloads.push_back(tp::Allocation::Payload{&holder->header[0]});
-    holder->tensors.reserve(descriptor.tensors.size());
-    for (const tp::Descriptor::Tensor& tensor : descriptor.tensors) {
-      at::Tensor buffer = context_->pool->allocate(tensor.length);
-      allocation.tensors.push_back(
-          tp::Allocation::Tensor{tp::CpuBuffer{buffer.data_ptr()}});
+    const std::string& layout = descriptor.metadata;
+    holder->tensors.reserve(layout.size());
+    size_t nextPayload = 1;
+    size_t nextTensor = 0;
+    for (char kind : layout) {
+      bool inlined = kind == kInlineTensor;
+      size_t length = inlined ? descriptor.payloads[nextPayload++].length
+                              : descriptor.tensors[nextTensor++].length;
+      at::Tensor buffer = context_->pool->allocate(length);
+      if (inlined) {
+        allocation.payloads.push_back(
+            tp::Allocation::Payload{buffer.data_ptr()});
+      } else {
+        allocation.tensors.push_back(
+            tp::Allocation::Tensor{tp::CpuBuffer{buffer.data_ptr()}});
+      }
       holder->tensors.push_back(std::move(buffer));
     }
     std::weak_ptr<TensorPipeConnection> weakSelf = weak_from_this();
@@ -376,12 +409,20 @@ class TensorPipeConnection
     header.data = const_cast<char*>(holder->header.data());
     header.length = holder->header.size();
     message.payloads.push_back(std::move(header));
-    message.tensors.reserve(holder->tensors.size());
+    message.metadata.reserve(holder->tensors.size());
     for (const at::Tensor& tensor : holder->tensors) {
-      tp::Message::Tensor out;
-      out.buffer = tp::CpuBuffer{const_cast<void*>(tensor.data_ptr())};
-      out.length = tensor.nbytes();
-      message.tensors.push_back(std::move(out));
+      void* data = const_cast<void*>(tensor.data_ptr());
+      if (tensor.nbytes() <= kMaxInlineTensorBytes) {
+        message.metadata.push_back(kInlineTensor);
+        message.payloads.push_back(
+            tp::Message::Payload{data, tensor.nbytes(), std::string()});
+      } else {
+        message.metadata.push_back(kChannelTensor);
+        tp::Message::Tensor out;
+        out.buffer = tp::CpuBuffer{data};
+        out.length = tensor.nbytes();
+        message.tensors.push_back(std::move(out));
+      }
     }
     std::weak_ptr<TensorPipeConnection> weakSelf = weak_from_this();
     pipe_->write(
@@ -448,7 +489,7 @@ class TensorPipeConnection
 
   const std::shared_ptr<ConnectionContext> context_;
   const std::string peer_;
-  // Written once on the executor before any use (connect), or at
+  // Written once before the connection is handed out (connect), or at
   // construction (accept).
   std::shared_ptr<tp::Pipe> pipe_;
 
@@ -575,31 +616,25 @@ class TensorPipeTransportImpl
               "'"});
       return connection;
     }
-    std::weak_ptr<TensorPipeTransportImpl> weakSelf = weak_from_this();
-    bool posted =
-        connectionContext_->executor->post([weakSelf, connection, address]() {
-          auto self = weakSelf.lock();
-          if (!self) {
-            connection->failWithoutPipe(TransportError{
-                ErrorCode::kWorkerUnavailable,
-                "transport destroyed"});
-            return;
-          }
-          try {
-            connection->setPipeFromLoop(self->context_->connect(
-                address,
-                tp::PipeOptions().remoteName(address)));
-          } catch (const std::exception& e) {
-            // E.g. an address that does not parse.
-            connection->failWithoutPipe(TransportError{
-                ErrorCode::kWorkerUnavailable,
-                "cannot connect to " + address + ": " + e.what()});
-          }
-        });
-    if (!posted) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (closed_) {
+        connection->failWithoutPipe(TransportError{
+            ErrorCode::kWorkerUnavailable,
+            "transport " + options_.name + " is closed"});
+        return connection;
+      }
+    }
+    // TensorPipe's connect does not block: the pipe exists at once and
+    // connects on TensorPipe's loop; a failure arrives through the pipe.
+    try {
+      connection->setPipeFromLoop(
+          context_->connect(address, tp::PipeOptions().remoteName(address)));
+    } catch (const std::exception& e) {
+      // E.g. an address that does not parse.
       connection->failWithoutPipe(TransportError{
           ErrorCode::kWorkerUnavailable,
-          "transport " + options_.name + " has been joined"});
+          "cannot connect to " + address + ": " + e.what()});
     }
     return connection;
   }

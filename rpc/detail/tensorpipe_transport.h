@@ -41,13 +41,19 @@ struct TensorPipeTransportOptions {
 // TensorPipe CPU tensor read from / written to its storage without copies.
 // Receive buffers come from a ReceiveBufferPool.
 //
-// Threads: every callback (accept, onMessage, onError, send done) runs on a
-// thread owned by this transport: TensorPipe's loop or this transport's own
-// thread, through which every call into TensorPipe is made so that
-// TensorPipe never runs callbacks inline on a caller's thread. Callbacks of
-// one connection never run concurrently. After join(), a send() on a
-// surviving connection runs its done callback inline with an error, and
-// start() runs onError inline.
+// Threads: callbacks (accept, onMessage, onError, send done) run on
+// TensorPipe's threads, or on a thread that is calling into this transport
+// (send, start, connect): TensorPipe lets whichever thread enters a pipe run
+// what is queued there, including other connections' callbacks. send() and
+// connect() call TensorPipe directly, because a hop through a thread of our
+// own cost a thread wake-up per message. Callbacks of one connection never
+// run concurrently. Listening, closing and joining go through this
+// transport's own thread. After join(), a send() on a surviving connection
+// runs its done callback inline with an error, and start() runs onError
+// inline.
+//
+// Small tensors travel as payloads on the pipe's connection, large ones
+// through the channels; see Note [Small tensors travel as payloads].
 //
 // Errors: a peer that goes away, refuses, or closes gives kWorkerUnavailable;
 // a descriptor over a cap, or with an unexpected layout, gives

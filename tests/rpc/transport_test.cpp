@@ -593,6 +593,11 @@ TEST_P(TransportTest, CloseAndJoinWithTrafficInFlight) {
 }
 
 TEST_P(TransportTest, CallbacksNeverRunOnTheCallersThread) {
+  if (GetParam() != Kind::kInProcess) {
+    // TensorPipe lets the thread that enters a pipe run queued callbacks;
+    // the TensorPipe transport calls it directly to save a thread hop.
+    GTEST_SKIP() << "only the in-process transport promises this";
+  }
   const std::thread::id caller = std::this_thread::get_id();
   std::atomic<int> onCaller{0};
   auto check = [&]() {
