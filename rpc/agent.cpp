@@ -46,12 +46,22 @@ struct AgentConnection {
 
 struct PendingCall {
   c10::intrusive_ptr<c10::ivalue::Future> future;
+  // See Note [Where messages are handled].
+  bool completeOnTransportThread = false;
   std::shared_ptr<AgentConnection> via;
   std::string peerName;
   std::string what;
   Clock::time_point deadline = Clock::time_point::max();
 };
 
+// Note [Where messages are handled]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Transport threads only parse the envelope (about a microsecond) and hand
+// the message to the pool: handlers may block, and completing a future runs
+// its callbacks inline. One exception saves a thread wake-up per round trip:
+// the response to a call whose future nobody else can see (rpcSync, marked
+// OutgoingRequest::awaitedSynchronously) is decoded and completed right on
+// the transport thread, since the only thing waiting is the caller's wait().
 class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
  public:
   AgentImpl(
@@ -219,6 +229,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     call.via = via;
     call.peerName = peer->name;
     call.what = std::move(request.what);
+    call.completeOnTransportThread = request.awaitedSynchronously;
     if (request.timeout.count() > 0) {
       call.deadline = Clock::now() + request.timeout;
     }
@@ -289,13 +300,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
           if (!self || !conn) {
             return;
           }
-          // Never decode or run anything on the transport's thread.
-          auto shared = std::make_shared<Message>(std::move(message));
-          self->pool_.run([weak, conn, shared]() {
-            if (auto self = weak.lock()) {
-              self->onMessage(conn, std::move(*shared));
-            }
-          });
+          self->onMessageFromTransport(conn, std::move(message));
         },
         [weak, weakState](const TransportError& error) {
           auto self = weak.lock();
@@ -311,27 +316,54 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
         });
   }
 
-  void onMessage(
+  // See Note [Where messages are handled].
+  void onMessageFromTransport(
       const std::shared_ptr<AgentConnection>& conn,
       Message&& message) {
-    wire::Envelope envelope;
-    if (message.header.size() > options_.maxHeaderBytes ||
-        !detail::parseEnvelope(message.header, &envelope) ||
-        envelope.version() != kWireVersion) {
-      // Nothing on this connection can be trusted any more; see STYLE.md on
-      // errors: close this one pipe, keep serving everyone else.
-      malformedMessages_.fetch_add(1);
-      LOG(WARNING) << self_.name << ": closing connection from "
-                   << conn->connection->describe()
-                   << ": message header does not decode";
-      conn->connection->close();
+    auto envelope = std::make_shared<wire::Envelope>();
+    bool decoded = message.header.size() <= options_.maxHeaderBytes &&
+        detail::parseEnvelope(message.header, envelope.get()) &&
+        envelope->version() == kWireVersion;
+    if (decoded && envelope->is_response() &&
+        completesOnTransportThread(conn, envelope->id())) {
+      onResponse(conn, *envelope, std::move(message.tensors));
       return;
     }
-    if (envelope.is_response()) {
-      onResponse(conn, envelope, std::move(message.tensors));
-    } else {
-      onRequest(conn, envelope, std::move(message.tensors));
-    }
+    auto tensors =
+        std::make_shared<std::vector<at::Tensor>>(std::move(message.tensors));
+    std::weak_ptr<AgentImpl> weak = shared_from_this();
+    pool_.run([weak, conn, envelope, tensors, decoded]() {
+      auto self = weak.lock();
+      if (!self) {
+        return;
+      }
+      if (!decoded) {
+        self->onUndecodableMessage(conn);
+      } else if (envelope->is_response()) {
+        self->onResponse(conn, *envelope, std::move(*tensors));
+      } else {
+        self->onRequest(conn, *envelope, std::move(*tensors));
+      }
+    });
+  }
+
+  bool completesOnTransportThread(
+      const std::shared_ptr<AgentConnection>& conn,
+      uint64_t id) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    auto it = pending_.find(id);
+    return it != pending_.end() && it->second.via == conn &&
+        it->second.completeOnTransportThread;
+  }
+
+  void onUndecodableMessage(const std::shared_ptr<AgentConnection>& conn) {
+    // Nothing on this connection can be trusted any more; see STYLE.md on
+    // errors: close this one pipe, keep serving everyone else.
+    malformedMessages_.fetch_add(1);
+    LOG(WARNING) << self_.name << ": closing connection from "
+                 << conn->connection->describe()
+                 << ": message header does not decode";
+    conn->connection->close();
   }
 
   void onRequest(

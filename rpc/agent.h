@@ -54,6 +54,10 @@ struct OutgoingRequest {
   std::string what;
   // Zero means no deadline.
   std::chrono::milliseconds timeout{0};
+  // Set only when the returned future is waited on and never shown to
+  // anyone who could attach callbacks: the response is then completed on
+  // the transport's thread, saving a hand-off (see agent.cpp).
+  bool awaitedSynchronously = false;
 };
 
 // What a hook knows of the message it sees.

@@ -117,7 +117,7 @@ class Future {
   }
 
  private:
-  static constexpr std::chrono::microseconds kWaitSpin{200};
+  static constexpr std::chrono::microseconds kWaitSpin{1000};
 
   void spinUntilCompleted() const {
     auto until = std::chrono::steady_clock::now() + kWaitSpin;

@@ -192,16 +192,18 @@ bool Runtime::shutdown(bool graceful) {
   return clean;
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> Caller::callBoxed(
+c10::intrusive_ptr<c10::ivalue::Future> Caller::send(
     const WorkerRef& to,
     const std::string& function,
-    std::vector<c10::IValue> args) const {
+    std::vector<c10::IValue> args,
+    bool awaitedSynchronously) const {
   OutgoingRequest request;
   request.kind = kCallMessageKind;
   request.body = function;
   request.values = std::move(args);
   request.what = function;
   request.timeout = timeout_;
+  request.awaitedSynchronously = awaitedSynchronously;
   return runtime_.agent_->send(to, std::move(request));
 }
 

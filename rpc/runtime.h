@@ -51,16 +51,31 @@ class Caller {
       const WorkerRef& to,
       const std::string& function,
       Args&&... args) const {
-    return rpcAsync<R>(to, function, std::forward<Args>(args)...).wait();
+    std::vector<c10::IValue> values;
+    values.reserve(sizeof...(Args));
+    (values.push_back(detail::toIValue(std::forward<Args>(args))), ...);
+    return Future<R>(
+               send(to, function, std::move(values), /*awaited=*/true),
+               to.describe(),
+               function)
+        .wait();
   }
 
   // The untyped form: arguments and result as IValues.
   c10::intrusive_ptr<c10::ivalue::Future> callBoxed(
       const WorkerRef& to,
       const std::string& function,
-      std::vector<c10::IValue> args) const;
+      std::vector<c10::IValue> args) const {
+    return send(to, function, std::move(args), /*awaited=*/false);
+  }
 
  private:
+  c10::intrusive_ptr<c10::ivalue::Future> send(
+      const WorkerRef& to,
+      const std::string& function,
+      std::vector<c10::IValue> args,
+      bool awaitedSynchronously) const;
+
   Runtime& runtime_;
   std::chrono::milliseconds timeout_;
 };

@@ -1,0 +1,101 @@
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "rpc/detail/spinning_thread_pool.h"
+
+namespace torchrpc {
+namespace {
+
+using namespace std::chrono_literals;
+using rpc::detail::SpinningThreadPool;
+
+class SpinningThreadPoolTest
+    : public ::testing::TestWithParam<std::chrono::microseconds> {};
+
+TEST_P(SpinningThreadPoolTest, RunsEveryTaskOnItsThreads) {
+  SpinningThreadPool pool(3, GetParam());
+  EXPECT_EQ(pool.size(), 3u);
+  EXPECT_FALSE(pool.inThreadPool());
+  std::atomic<int> ran{0};
+  std::atomic<int> offPool{0};
+  for (int i = 0; i < 1000; ++i) {
+    pool.run([&]() {
+      if (!pool.inThreadPool()) {
+        ++offPool;
+      }
+      ++ran;
+    });
+  }
+  pool.waitWorkComplete();
+  EXPECT_EQ(ran.load(), 1000);
+  EXPECT_EQ(offPool.load(), 0);
+  EXPECT_EQ(pool.numAvailable(), 3u);
+}
+
+TEST_P(SpinningThreadPoolTest, TasksQueuedBeforeDestructionStillRun) {
+  std::atomic<int> ran{0};
+  {
+    SpinningThreadPool pool(1, GetParam());
+    pool.run([]() { std::this_thread::sleep_for(20ms); });
+    for (int i = 0; i < 10; ++i) {
+      pool.run([&]() { ++ran; });
+    }
+  }
+  EXPECT_EQ(ran.load(), 10);
+}
+
+TEST_P(SpinningThreadPoolTest, ATaskThatThrowsDoesNotStopThePool) {
+  SpinningThreadPool pool(1, GetParam());
+  std::atomic<bool> after{false};
+  pool.run([]() { throw std::runtime_error("boom"); });
+  pool.run([&]() { after = true; });
+  pool.waitWorkComplete();
+  EXPECT_TRUE(after.load());
+}
+
+TEST_P(SpinningThreadPoolTest, TasksArrivingWhileOthersSleepAreNotLost) {
+  // Alternate bursts and pauses longer than the spin, so workers go through
+  // spinning, sleeping and waking many times.
+  SpinningThreadPool pool(2, GetParam());
+  std::atomic<int> ran{0};
+  for (int burst = 0; burst < 20; ++burst) {
+    for (int i = 0; i < 5; ++i) {
+      pool.run([&]() { ++ran; });
+    }
+    std::this_thread::sleep_for(1ms);
+  }
+  pool.waitWorkComplete();
+  EXPECT_EQ(ran.load(), 100);
+}
+
+TEST(SpinningThreadPool, IdlePoolUsesNoCpu) {
+  SpinningThreadPool pool(4, 200us);
+  pool.run([]() {});
+  pool.waitWorkComplete();
+  std::this_thread::sleep_for(10ms); // past the spin
+  auto cpu = []() {
+    timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return ts.tv_sec * 1e9 + ts.tv_nsec;
+  };
+  double before = cpu();
+  std::this_thread::sleep_for(300ms);
+  double used = cpu() - before;
+  // A spinning thread would use ~300 ms here; sleeping ones use ~nothing.
+  EXPECT_LT(used, 30e6) << used / 1e6 << " ms of CPU while idle";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Spin,
+    SpinningThreadPoolTest,
+    ::testing::Values(0us, 200us),
+    [](const ::testing::TestParamInfo<std::chrono::microseconds>& info) {
+      return info.param.count() == 0 ? std::string("NoSpin")
+                                     : std::string("Spin");
+    });
+
+} // namespace
+} // namespace torchrpc
