@@ -76,6 +76,9 @@ class LocalCluster {
   const std::shared_ptr<rpc::InProcessNetwork>& network() const {
     return network_;
   }
+  const c10::intrusive_ptr<c10d::Store>& store() const {
+    return store_;
+  }
 
   // Shuts every worker down concurrently, as separate processes would;
   // returns whether every graceful shutdown completed.
