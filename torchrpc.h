@@ -9,8 +9,8 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include "rpc/errors.h"
-#include "rpc/future.h"
 #include "rpc/function_registry.h"
+#include "rpc/future.h"
 #include "rpc/inprocess_transport.h"
 #include "rpc/options.h"
 #include "rpc/runtime.h"

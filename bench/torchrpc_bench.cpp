@@ -173,7 +173,8 @@ double bandwidth(Runtime& rt, size_t bytes, bool quick) {
   return bytes / (median(times) * 1e3);
 }
 
-// ---- processes ---------------------------------------------------------------
+// ---- processes
+// ---------------------------------------------------------------
 
 // CPU seconds (user + sys, all threads) a process has used.
 double cpuSeconds(pid_t pid) {
@@ -257,8 +258,8 @@ int main(int argc, char** argv) {
       {"bandwidth_64MiB", {"bandwidth", "GB/s", "higher"}},
       {"idle_cpu_cores", {"idle_cpu", "cores", "lower"}},
   };
-  auto known = std::find_if(
-      kWorkloads.begin(), kWorkloads.end(), [&](const auto& w) {
+  auto known =
+      std::find_if(kWorkloads.begin(), kWorkloads.end(), [&](const auto& w) {
         return w.first == s.workload;
       });
   if (known == kWorkloads.end()) {
@@ -310,8 +311,8 @@ int main(int argc, char** argv) {
       auto start = Clock::now();
       ::usleep(static_cast<useconds_t>(seconds * 1e6));
       double used = cpuSeconds(pids[0]) + cpuSeconds(pids[1]) - before;
-      value = used /
-          std::chrono::duration<double>(Clock::now() - start).count();
+      value =
+          used / std::chrono::duration<double>(Clock::now() - start).count();
     }
     char release[2] = {1, 1};
     writeAll(go[1], release, 2);

@@ -47,8 +47,8 @@ int runWorker() {
       std::cout << rt.rpcSync<std::string>(peer, "greet", name) << std::endl;
     }
     auto y = rt.rpcSync<at::Tensor>("worker1", "scale", at::ones({3}), 2.0);
-    auto z = rt.rpcAsync<at::Tensor>("worker2", "aten::mul.Tensor", y, y)
-                 .wait();
+    auto z =
+        rt.rpcAsync<at::Tensor>("worker2", "aten::mul.Tensor", y, y).wait();
     std::cout << "scale on worker1: " << y << "\n"
               << "aten::mul on worker2: " << z << std::endl;
     try {

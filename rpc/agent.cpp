@@ -71,7 +71,9 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       : self_(std::move(self)),
         options_(options),
         transport_(std::move(transport)),
-        pool_(std::max<size_t>(1, options.numWorkerThreads), options.spinAfterWork),
+        pool_(
+            std::max<size_t>(1, options.numWorkerThreads),
+            options.spinAfterWork),
         timerWork_(boost::asio::make_work_guard(timerContext_)),
         timer_(timerContext_) {
     timerThread_ = std::thread([this]() { timerContext_.run(); });
@@ -214,12 +216,16 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     try {
       message = encodeRequest(*peer, id, request);
     } catch (const RpcError& e) {
-      future->setError(makeRpcError(
-          e.code(), peer->name, request.what, id, e.detail()));
+      future->setError(
+          makeRpcError(e.code(), peer->name, request.what, id, e.detail()));
       return future;
     } catch (const std::exception& e) {
       future->setError(makeRpcError(
-          ErrorCode::kInternal, peer->name, request.what, id, e.what()));
+          ErrorCode::kInternal,
+          peer->name,
+          request.what,
+          id,
+          e.what()));
       return future;
     }
 
@@ -251,7 +257,8 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     }
     std::weak_ptr<AgentImpl> weak = shared_from_this();
     via->connection->send(
-        std::move(message), [weak, id](const TransportError* error) {
+        std::move(message),
+        [weak, id](const TransportError* error) {
           if (error == nullptr) {
             return;
           }
@@ -449,12 +456,12 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     std::weak_ptr<AgentImpl> weak = shared_from_this();
     int64_t fromId = from->id;
     uint32_t kind = envelope.kind();
-    result->addCallback([weak, conn, id, kind, fromId, what](
-                            c10::ivalue::Future& done) {
-      if (auto self = weak.lock()) {
-        self->reply(conn, id, kind, fromId, what, done);
-      }
-    });
+    result->addCallback(
+        [weak, conn, id, kind, fromId, what](c10::ivalue::Future& done) {
+          if (auto self = weak.lock()) {
+            self->reply(conn, id, kind, fromId, what, done);
+          }
+        });
   }
 
   void onResponse(
@@ -725,7 +732,10 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     message.tensors = std::move(encoder).finish(&envelope);
     if (!hooks_.empty()) {
       HookContext context{
-          peer, envelope.kind(), envelope.id(), envelope.is_response()};
+          peer,
+          envelope.kind(),
+          envelope.id(),
+          envelope.is_response()};
       for (const auto& hook : hooks_) {
         if (!hook.onSend) {
           continue;
@@ -792,7 +802,10 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       std::vector<at::Tensor>&& tensors,
       bool response) {
     detail::ValueDecoder decoder(
-        peer.id, envelope, std::move(tensors), &extensions_);
+        peer.id,
+        envelope,
+        std::move(tensors),
+        &extensions_);
     if (!hooks_.empty()) {
       HookContext context{peer, envelope.kind(), envelope.id(), response};
       size_t count = decoder.tensors().size();
@@ -1069,7 +1082,9 @@ void Agent::setWorkers(
     std::vector<std::string> addresses,
     std::map<int64_t, DeviceMap> peerMapsTowardsUs) {
   impl_->setWorkers(
-      std::move(workers), std::move(addresses), std::move(peerMapsTowardsUs));
+      std::move(workers),
+      std::move(addresses),
+      std::move(peerMapsTowardsUs));
 }
 
 const std::vector<WorkerInfo>& Agent::workers() const {
@@ -1078,8 +1093,7 @@ const std::vector<WorkerInfo>& Agent::workers() const {
 
 const WorkerInfo& Agent::resolve(const WorkerRef& ref) const {
   const WorkerInfo* info = impl_->find(ref);
-  TORCH_CHECK(
-      info != nullptr, "no worker ", ref.describe(), " in this job");
+  TORCH_CHECK(info != nullptr, "no worker ", ref.describe(), " in this job");
   return *info;
 }
 

@@ -5,9 +5,9 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
-#include <map>
 #include <vector>
 
 #include "rpc/errors.h"

@@ -61,8 +61,7 @@ RpcError::RpcError(
     std::string function,
     uint64_t messageId,
     std::string detail)
-    : std::runtime_error(
-          formatWhat(code, worker, function, messageId, detail)),
+    : std::runtime_error(formatWhat(code, worker, function, messageId, detail)),
       code_(code),
       worker_(std::move(worker)),
       function_(std::move(function)),

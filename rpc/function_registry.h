@@ -75,8 +75,7 @@ std::string resultTypeName() {
 template <typename Args, size_t... I>
 std::string argumentTypeNames(std::index_sequence<I...>) {
   std::string out;
-  ((out += (I == 0 ? "" : ", ") +
-       typeName<std::tuple_element_t<I, Args>>()),
+  ((out += (I == 0 ? "" : ", ") + typeName<std::tuple_element_t<I, Args>>()),
    ...);
   return out;
 }
@@ -151,15 +150,15 @@ RegisteredFunction makeRegisteredFunction(std::string name, F&& fn) {
   using Indices = std::make_index_sequence<std::tuple_size<Args>::value>;
   RegisteredFunction entry;
   entry.name = name;
-  entry.signature = name + "(" + argumentTypeNames<Args>(Indices{}) +
-      ") -> " + resultTypeName<R>();
-  entry.invoke = [fn = std::forward<F>(fn),
-                  name = std::move(name),
-                  signature = entry.signature](
-                     std::vector<c10::IValue>&& args) mutable {
-    checkArguments<Args>(name, signature, args, Indices{});
-    return invokeChecked<R, Args>(fn, std::move(args), Indices{});
-  };
+  entry.signature = name + "(" + argumentTypeNames<Args>(Indices{}) + ") -> " +
+      resultTypeName<R>();
+  entry.invoke =
+      [fn = std::forward<F>(fn),
+       name = std::move(name),
+       signature = entry.signature](std::vector<c10::IValue>&& args) mutable {
+        checkArguments<Args>(name, signature, args, Indices{});
+        return invokeChecked<R, Args>(fn, std::move(args), Indices{});
+      };
   return entry;
 }
 

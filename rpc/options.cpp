@@ -45,7 +45,8 @@ Options Options::fromEnvironment() {
     options.listenAddress = address;
   }
   int64_t threads = envInt(
-      "TORCHRPC_NUM_THREADS", static_cast<int64_t>(options.numWorkerThreads));
+      "TORCHRPC_NUM_THREADS",
+      static_cast<int64_t>(options.numWorkerThreads));
   TORCH_CHECK(threads >= 1, "TORCHRPC_NUM_THREADS must be at least 1");
   options.numWorkerThreads = static_cast<size_t>(threads);
   options.defaultTimeout = std::chrono::milliseconds(

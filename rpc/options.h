@@ -99,8 +99,8 @@ struct Options {
 
   // Reads RANK, WORLD_SIZE, MASTER_ADDR/MASTER_PORT (init method env://),
   // TORCHRPC_INIT_METHOD, TORCHRPC_LISTEN_ADDR, TORCHRPC_NUM_THREADS,
-  // TORCHRPC_TIMEOUT_MS, TORCHRPC_SPIN_US and TORCHRPC_TRANSPORT ("tensorpipe", "tensorpipe-shm").
-  // Missing RANK/WORLD_SIZE default to 0 and 1.
+  // TORCHRPC_TIMEOUT_MS, TORCHRPC_SPIN_US and TORCHRPC_TRANSPORT ("tensorpipe",
+  // "tensorpipe-shm"). Missing RANK/WORLD_SIZE default to 0 and 1.
   static Options fromEnvironment();
 };
 

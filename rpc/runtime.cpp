@@ -44,7 +44,8 @@ std::unique_ptr<Transport> makeTransport(
         options.inProcessNetwork,
         "the in-process transport needs Options::inProcessNetwork");
     return std::make_unique<InProcessTransport>(
-        options.inProcessNetwork, limitsOf(options));
+        options.inProcessNetwork,
+        limitsOf(options));
   }
   detail::TensorPipeTransportOptions tp;
   tp.listenAddress = options.listenAddress;
@@ -57,7 +58,8 @@ std::unique_ptr<Transport> makeTransport(
 
 void validateOptions(const Options& options) {
   TORCH_CHECK(
-      options.worldSize >= 1, "worldSize must be at least 1, got ",
+      options.worldSize >= 1,
+      "worldSize must be at least 1, got ",
       options.worldSize);
   TORCH_CHECK(
       options.rank >= 0 && options.rank < options.worldSize,
@@ -72,8 +74,7 @@ void validateOptions(const Options& options) {
       // The source device must exist here; the target is checked where the
       // tensor lands.
       TORCH_CHECK(
-          pair.first.is_cpu() ||
-              (pair.first.is_cuda() && at::hasCUDA()),
+          pair.first.is_cpu() || (pair.first.is_cuda() && at::hasCUDA()),
           "device map to '",
           destination.first,
           "' names ",
@@ -86,11 +87,14 @@ void validateOptions(const Options& options) {
 } // namespace
 
 Runtime::Runtime(std::string name, Options options)
-    : self_{std::move(name), options.rank}, options_(std::move(options)) {
+    : self_{std::move(name), options.rank},
+      options_(std::move(options)) {
   detail::validateWorkerName(self_.name);
   validateOptions(options_);
   agent_ = std::make_unique<Agent>(
-      self_, options_, makeTransport(self_.name, options_));
+      self_,
+      options_,
+      makeTransport(self_.name, options_));
   registerCallHandler();
 }
 
@@ -107,7 +111,9 @@ void Runtime::registerCallHandler() {
       kCallMessageKind,
       "call",
       detail::makeCallHandler(
-          functions_, self_.name, options_.allowBuiltinOperators));
+          functions_,
+          self_.name,
+          options_.allowBuiltinOperators));
 }
 
 void Runtime::start() {

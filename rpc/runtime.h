@@ -28,7 +28,8 @@ class Runtime;
 class Caller {
  public:
   Caller(Runtime& runtime, std::chrono::milliseconds timeout)
-      : runtime_(runtime), timeout_(timeout) {}
+      : runtime_(runtime),
+        timeout_(timeout) {}
 
   // Calls `function` on `to` (a registered function, or a dispatcher
   // operator such as "aten::add.Tensor") and returns its future at once.
@@ -42,15 +43,15 @@ class Caller {
     values.reserve(sizeof...(Args));
     (values.push_back(detail::toIValue(std::forward<Args>(args))), ...);
     return Future<R>(
-        callBoxed(to, function, std::move(values)), to.describe(), function);
+        callBoxed(to, function, std::move(values)),
+        to.describe(),
+        function);
   }
 
   // Like rpcAsync(...).wait(): returns the result or throws the RpcError.
   template <typename R, typename... Args>
-  R rpcSync(
-      const WorkerRef& to,
-      const std::string& function,
-      Args&&... args) const {
+  R rpcSync(const WorkerRef& to, const std::string& function, Args&&... args)
+      const {
     std::vector<c10::IValue> values;
     values.reserve(sizeof...(Args));
     (values.push_back(detail::toIValue(std::forward<Args>(args))), ...);
@@ -135,10 +136,7 @@ class Runtime {
     return caller().rpcAsync<R>(to, function, std::forward<Args>(args)...);
   }
   template <typename R, typename... Args>
-  R rpcSync(
-      const WorkerRef& to,
-      const std::string& function,
-      Args&&... args) {
+  R rpcSync(const WorkerRef& to, const std::string& function, Args&&... args) {
     return caller().rpcSync<R>(to, function, std::forward<Args>(args)...);
   }
 
@@ -181,11 +179,11 @@ class Runtime {
 } // namespace rpc
 
 // The names most programs use, at the top level.
+using rpc::ErrorCode;
 using rpc::Future;
 using rpc::Options;
 using rpc::RpcError;
 using rpc::Runtime;
 using rpc::WorkerInfo;
-using rpc::ErrorCode;
 
 } // namespace torchrpc

@@ -100,8 +100,7 @@ void validateWorkerName(const std::string& name) {
       "'");
   for (char c : name) {
     bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
-        (c >= '0' && c <= '9') || c == '_' || c == '-' || c == '.' ||
-        c == ':';
+        (c >= '0' && c <= '9') || c == '_' || c == '-' || c == '.' || c == ':';
     TORCH_CHECK(
         ok,
         "worker name '",
@@ -124,7 +123,10 @@ c10::intrusive_ptr<c10d::Store> openStore(const Options& options) {
     bool useAgentStore =
         agentStore != nullptr && std::string(agentStore) == "True";
     return openTcpStore(
-        host, port, options.rank == 0 && !useAgentStore, options);
+        host,
+        port,
+        options.rank == 0 && !useAgentStore,
+        options);
   }
   const std::string tcp = "tcp://";
   if (method.compare(0, tcp.size(), tcp) == 0) {
@@ -147,7 +149,8 @@ c10::intrusive_ptr<c10d::Store> openStore(const Options& options) {
     std::string path = method.substr(file.size());
     TORCH_CHECK(!path.empty(), "init method file:// needs a path");
     auto store = c10::make_intrusive<c10d::FileStore>(
-        path, static_cast<int>(options.worldSize));
+        path,
+        static_cast<int>(options.worldSize));
     store->setTimeout(options.rendezvousTimeout);
     return store;
   }
@@ -259,7 +262,8 @@ JobLayout Rendezvous::join(
     layout.addresses.emplace_back(addressBytes.begin(), addressBytes.end());
     if (rank != rank_) {
       auto map = decodeDeviceMapTowards(
-          std::string(mapsBytes.begin(), mapsBytes.end()), name);
+          std::string(mapsBytes.begin(), mapsBytes.end()),
+          name);
       if (!map.empty()) {
         layout.peerMapsTowardsUs.emplace(rank, std::move(map));
       }

@@ -281,16 +281,14 @@ class TensorPipeConnection
     // See Note [Small tensors travel as payloads].
     const std::string& layout = descriptor.metadata;
     if (layout.size() > limits.maxTensorsPerMessage) {
-      return std::to_string(layout.size()) +
-          " tensors exceed the cap of " +
+      return std::to_string(layout.size()) + " tensors exceed the cap of " +
           std::to_string(limits.maxTensorsPerMessage);
     }
     size_t inlined = static_cast<size_t>(
         std::count(layout.begin(), layout.end(), kInlineTensor));
     size_t outOfBand = static_cast<size_t>(
         std::count(layout.begin(), layout.end(), kChannelTensor));
-    if (descriptor.payloads.empty() ||
-        inlined + outOfBand != layout.size() ||
+    if (descriptor.payloads.empty() || inlined + outOfBand != layout.size() ||
         descriptor.payloads.size() != 1 + inlined ||
         descriptor.tensors.size() != outOfBand) {
       return "unexpected message layout (" +

@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
+#include "proto/rpc/envelope.pb.h"
 #include "rpc/options.h"
 #include "rpc/value_extension.h"
-#include "proto/rpc/envelope.pb.h"
 
 namespace torchrpc {
 namespace rpc {

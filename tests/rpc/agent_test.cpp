@@ -23,10 +23,9 @@ class RawPeer {
  public:
   RawPeer(LocalCluster& cluster, int rank)
       : transport_(cluster.network(), rpc::TransportLimits()) {
-    auto bytes = cluster.store()->get(
-        "torchrpc/1/address/" + std::to_string(rank));
-    connection_ =
-        transport_.connect(std::string(bytes.begin(), bytes.end()));
+    auto bytes =
+        cluster.store()->get("torchrpc/1/address/" + std::to_string(rank));
+    connection_ = transport_.connect(std::string(bytes.begin(), bytes.end()));
     connection_->start(
         [this](rpc::Message&& message) {
           std::lock_guard<std::mutex> guard(mutex_);
@@ -131,7 +130,8 @@ TEST(AgentInput, BadValuesAreAnsweredWithMalformedMessage) {
   auto reply = peer.nextReply();
   EXPECT_EQ(reply.id(), 3u);
   EXPECT_EQ(
-      reply.status().code(), static_cast<uint32_t>(ErrorCode::kMalformedMessage));
+      reply.status().code(),
+      static_cast<uint32_t>(ErrorCode::kMalformedMessage));
   EXPECT_NE(reply.status().message().find("tensor index"), std::string::npos)
       << reply.status().message();
   EXPECT_EQ(reply.status().worker(), "worker1");
@@ -145,14 +145,16 @@ TEST(AgentInput, UnknownSenderAndUnknownKindAreAnsweredNotRun) {
   peer.send(stranger.SerializeAsString());
   auto reply = peer.nextReply();
   EXPECT_EQ(
-      reply.status().code(), static_cast<uint32_t>(ErrorCode::kMalformedMessage));
+      reply.status().code(),
+      static_cast<uint32_t>(ErrorCode::kMalformedMessage));
   EXPECT_NE(reply.status().message().find("unknown worker"), std::string::npos);
   auto oddKind = callEnvelope(5, 0, "add");
   oddKind.set_kind(1234);
   peer.send(oddKind.SerializeAsString());
   reply = peer.nextReply();
   EXPECT_EQ(
-      reply.status().code(), static_cast<uint32_t>(ErrorCode::kUnknownFunction));
+      reply.status().code(),
+      static_cast<uint32_t>(ErrorCode::kUnknownFunction));
   EXPECT_EQ(cluster[1].agent().counters().requestsServed, 0u);
   EXPECT_TRUE(cluster.shutdownAll());
 }
@@ -167,17 +169,24 @@ c10::intrusive_ptr<c10::ivalue::Future> noHandler(rpc::Request&&) {
 
 TEST(AgentExtensions, AnUpperLayerRegistersItsOwnMessageKind) {
   LocalCluster cluster(
-      TestTransport::kInProcess, 2, nullptr, [](int, rpc::Runtime& rt) {
-        rt.agent().registerHandler(kTestKind, "test.kind", [](rpc::Request&& r) {
-          auto f = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
-          f->markCompleted(c10::ivalue::Tuple::create(
-              {c10::IValue(r.body), c10::IValue(r.from.name),
-               c10::IValue(r.values.at(0).toTensor() * 2)}));
-          return f;
-        });
+      TestTransport::kInProcess,
+      2,
+      nullptr,
+      [](int, rpc::Runtime& rt) {
+        rt.agent().registerHandler(
+            kTestKind,
+            "test.kind",
+            [](rpc::Request&& r) {
+              auto f =
+                  c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+              f->markCompleted(c10::ivalue::Tuple::create(
+                  {c10::IValue(r.body),
+                   c10::IValue(r.from.name),
+                   c10::IValue(r.values.at(0).toTensor() * 2)}));
+              return f;
+            });
         EXPECT_THROW(
-            rt.agent().registerHandler(
-                kTestKind, "again", noHandler),
+            rt.agent().registerHandler(kTestKind, "again", noHandler),
             c10::Error);
       });
   rpc::OutgoingRequest request;
@@ -194,8 +203,7 @@ TEST(AgentExtensions, AnUpperLayerRegistersItsOwnMessageKind) {
   EXPECT_TRUE(at::equal(tuple->elements()[2].toTensor(), at::full({2}, 2.0)));
   // Registration closes at start().
   EXPECT_THROW(
-      cluster[0].agent().registerHandler(
-          kTestKind + 1, "late", noHandler),
+      cluster[0].agent().registerHandler(kTestKind + 1, "late", noHandler),
       c10::Error);
   EXPECT_TRUE(cluster.shutdownAll());
 }
@@ -216,7 +224,9 @@ TEST(AgentExtensions, HooksSeeTensorsAttachMetadataAndMayReplaceTensors) {
                          std::string* metadata) {
           *metadata = (context.isResponse ? "response:" : "request:") +
               std::to_string(tensors.size()) +
-              (tensors.empty() ? "" : tensors[0].requires_grad() ? ":grad" : "");
+              (tensors.empty()                  ? ""
+                   : tensors[0].requires_grad() ? ":grad"
+                                                : "");
         };
         hook.onReceive = [&](const rpc::HookContext&,
                              std::vector<at::Tensor>& tensors,
@@ -238,7 +248,8 @@ TEST(AgentExtensions, HooksSeeTensorsAttachMetadataAndMayReplaceTensors) {
   EXPECT_TRUE(at::equal(y, at::full({2}, 201.0)));
   std::lock_guard<std::mutex> guard(mutex);
   EXPECT_EQ(
-      seen, std::vector<std::string>({"request:1:grad", "response:1:grad"}));
+      seen,
+      std::vector<std::string>({"request:1:grad", "response:1:grad"}));
 }
 
 struct Blob : torch::CustomClassHolder {
@@ -269,7 +280,10 @@ TEST(AgentExtensions, ValueExtensionsCarryKindsTheCodecDoesNotKnow) {
     return ext;
   };
   LocalCluster cluster(
-      TestTransport::kInProcess, 2, nullptr, [&](int, rpc::Runtime& rt) {
+      TestTransport::kInProcess,
+      2,
+      nullptr,
+      [&](int, rpc::Runtime& rt) {
         rt.agent().addValueExtension(extension());
         rt.functions().add("read", [](c10::IValue v) {
           return c10::static_intrusive_pointer_cast<Blob>(v.toCapsule())->text;

@@ -23,7 +23,9 @@ TEST(FunctionRegistry, DeducesTheSignatureFromTheCallable) {
   registry.add("join", [](std::vector<std::string> parts, int64_t n) {
     return parts.size() + n;
   });
-  EXPECT_EQ(registry.find("scale")->signature, "scale(Tensor, float) -> Tensor");
+  EXPECT_EQ(
+      registry.find("scale")->signature,
+      "scale(Tensor, float) -> Tensor");
   EXPECT_EQ(registry.find("join")->signature, "join(List[str], int) -> int");
   EXPECT_EQ(registry.find("missing"), nullptr);
   EXPECT_EQ(registry.names(), std::vector<std::string>({"join", "scale"}));
@@ -49,8 +51,10 @@ TEST(FunctionRegistry, InvokeChecksArgumentsBeforeRunning) {
     ADD_FAILURE() << "expected RpcError";
   } catch (const rpc::RpcError& e) {
     EXPECT_EQ(e.code(), ErrorCode::kBadArguments);
-    EXPECT_NE(std::string(e.what()).find("argument 1 has type str"),
-              std::string::npos) << e.what();
+    EXPECT_NE(
+        std::string(e.what()).find("argument 1 has type str"),
+        std::string::npos)
+        << e.what();
   }
   EXPECT_EQ(runs, 0);
   auto result = fn->invoke(args({c10::IValue(int64_t(5))}));

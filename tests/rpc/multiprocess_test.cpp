@@ -1,8 +1,8 @@
 // One process per worker over real TensorPipe on loopback (tier 3).
 
 #include <ATen/ATen.h>
-#include <gtest/gtest.h>
 #include <arpa/inet.h>
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -22,8 +22,7 @@ using namespace std::chrono_literals;
 using testing::ChildProcesses;
 
 std::string freshStorePath(const std::string& tag) {
-  std::string path =
-      "/tmp/torchrpc_" + tag + "_" + std::to_string(::getpid());
+  std::string path = "/tmp/torchrpc_" + tag + "_" + std::to_string(::getpid());
   std::remove(path.c_str());
   return path;
 }
@@ -46,7 +45,9 @@ TEST(MultiProcess, ThreeWorkersCallAroundARingAndShutDownCleanly) {
   std::vector<pid_t> pids;
   for (int rank = 0; rank < 3; ++rank) {
     pids.push_back(children.spawn([rank, path]() {
-      rpc::Runtime rt("proc" + std::to_string(rank), processOptions(rank, 3, path));
+      rpc::Runtime rt(
+          "proc" + std::to_string(rank),
+          processOptions(rank, 3, path));
       rt.functions().add("scale", [](at::Tensor x, double f) { return x * f; });
       rt.start();
       auto x = at::arange(1000, at::kFloat) + rank;
@@ -55,7 +56,8 @@ TEST(MultiProcess, ThreeWorkersCallAroundARingAndShutDownCleanly) {
       EXPECT_TRUE(at::equal(y, x * 3.0));
       // A large tensor too (exercises the out-of-band channels).
       auto big = at::rand({4 << 20});
-      EXPECT_TRUE(at::equal(rt.rpcSync<at::Tensor>(next, "scale", big, 1.0), big));
+      EXPECT_TRUE(
+          at::equal(rt.rpcSync<at::Tensor>(next, "scale", big, 1.0), big));
       EXPECT_TRUE(rt.shutdown());
     }));
   }

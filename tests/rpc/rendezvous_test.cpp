@@ -21,8 +21,8 @@ using namespace std::chrono_literals;
 void runJob(int worldSize, const std::function<rpc::Options(int)>& make) {
   std::vector<std::unique_ptr<rpc::Runtime>> runtimes;
   for (int rank = 0; rank < worldSize; ++rank) {
-    runtimes.push_back(std::make_unique<rpc::Runtime>(
-        "w" + std::to_string(rank), make(rank)));
+    runtimes.push_back(
+        std::make_unique<rpc::Runtime>("w" + std::to_string(rank), make(rank)));
     runtimes.back()->functions().add("id", [rank]() { return int64_t(rank); });
   }
   std::vector<std::future<void>> started;
@@ -160,8 +160,12 @@ TEST(Options, FromEnvironmentReadsRankWorldSizeAndSettings) {
   EXPECT_EQ(o.initMethod, "env://");
   setenv("TORCHRPC_NUM_THREADS", "many", 1);
   EXPECT_THROW(rpc::Options::fromEnvironment(), c10::Error);
-  for (auto name : {"RANK", "WORLD_SIZE", "TORCHRPC_NUM_THREADS",
-                    "TORCHRPC_TIMEOUT_MS", "TORCHRPC_LISTEN_ADDR"}) {
+  for (auto name :
+       {"RANK",
+        "WORLD_SIZE",
+        "TORCHRPC_NUM_THREADS",
+        "TORCHRPC_TIMEOUT_MS",
+        "TORCHRPC_LISTEN_ADDR"}) {
     unsetenv(name);
   }
 }

@@ -132,8 +132,7 @@ TEST_P(RuntimeTest, ValuesOfEveryKindRoundTripExactly) {
   nested.push_back(tuple);
   auto nestedBack = echo(nested).toList();
   EXPECT_EQ(nestedBack.size(), 2u);
-  EXPECT_EQ(
-      nestedBack.get(0).toGenericDict().at(3).toStringRef(), "three");
+  EXPECT_EQ(nestedBack.get(0).toGenericDict().at(3).toStringRef(), "three");
 
   // Deep nesting, near the codec's cap, survives the envelope parser too.
   c10::IValue deep(int64_t(7));
@@ -151,8 +150,15 @@ TEST_P(RuntimeTest, ValuesOfEveryKindRoundTripExactly) {
 
   // Tensors: dtypes, views, non-contiguous, empty, requires_grad.
   for (auto dtype :
-       {at::kFloat, at::kDouble, at::kInt, at::kLong, at::kBool, at::kByte,
-        at::kHalf, at::kBFloat16, at::kComplexFloat}) {
+       {at::kFloat,
+        at::kDouble,
+        at::kInt,
+        at::kLong,
+        at::kBool,
+        at::kByte,
+        at::kHalf,
+        at::kBFloat16,
+        at::kComplexFloat}) {
     auto t = at::arange(12, at::kDouble).reshape({3, 4}).to(dtype);
     auto back = echo(t).toTensor();
     EXPECT_EQ(back.dtype(), t.dtype());
@@ -181,14 +187,14 @@ TEST_P(RuntimeTest, TypedArgumentsAcceptContainersAndPromotions) {
       }
       return s;
     });
-    rt.functions().add(
-        "maybe", [](c10::optional<int64_t> x) { return x.value_or(-1); });
+    rt.functions().add("maybe", [](c10::optional<int64_t> x) {
+      return x.value_or(-1);
+    });
     rt.functions().add("half", [](float x) { return x / 2; });
   });
   auto& rt = (*c)[0];
   EXPECT_EQ(
-      rt.rpcSync<int64_t>(
-          "worker1", "sum_list", std::vector<int64_t>{1, 2, 3}),
+      rt.rpcSync<int64_t>("worker1", "sum_list", std::vector<int64_t>{1, 2, 3}),
       6);
   EXPECT_EQ(rt.rpcSync<int64_t>("worker1", "maybe", c10::IValue()), -1);
   EXPECT_EQ(rt.rpcSync<int64_t>("worker1", "maybe", 5), 5);
@@ -246,7 +252,9 @@ TEST_P(RuntimeTest, PerCallTimeoutFailsTheCallAndTheWorkerKeepsServing) {
   auto& rt = (*c)[0];
   auto start = std::chrono::steady_clock::now();
   expectRpcError(
-      [&]() { rt.withTimeout(100ms).rpcSync<int64_t>("worker1", "sleep_ms", 1500); },
+      [&]() {
+        rt.withTimeout(100ms).rpcSync<int64_t>("worker1", "sleep_ms", 1500);
+      },
       ErrorCode::kTimeout,
       {"worker1", "sleep_ms"});
   auto waited = std::chrono::steady_clock::now() - start;
@@ -270,7 +278,8 @@ TEST_P(RuntimeTest, BuiltinOperatorsAreCallableBySchemaName) {
   auto a = at::arange(4, at::kFloat);
   auto b = at::full({4}, 2.0);
   EXPECT_TRUE(at::equal(
-      rt.rpcSync<at::Tensor>("worker1", "aten::add.Tensor", a, b), a + b));
+      rt.rpcSync<at::Tensor>("worker1", "aten::add.Tensor", a, b),
+      a + b));
   // A default argument (alpha) filled from the schema; explicit alpha.
   EXPECT_TRUE(at::equal(
       rt.rpcSync<at::Tensor>("worker1", "aten::add.Tensor", a, b, 3),
@@ -278,7 +287,8 @@ TEST_P(RuntimeTest, BuiltinOperatorsAreCallableBySchemaName) {
   auto m = at::arange(6, at::kFloat).reshape({2, 3});
   auto n = at::arange(6, at::kFloat).reshape({3, 2});
   EXPECT_TRUE(at::equal(
-      rt.rpcSync<at::Tensor>("worker1", "aten::matmul", m, n), at::matmul(m, n)));
+      rt.rpcSync<at::Tensor>("worker1", "aten::matmul", m, n),
+      at::matmul(m, n)));
   // Overload chosen by the arguments.
   EXPECT_TRUE(
       at::equal(rt.rpcSync<at::Tensor>("worker1", "aten::mul", a, b), a * b));
@@ -290,7 +300,10 @@ TEST_P(RuntimeTest, BuiltinOperatorsAreCallableBySchemaName) {
   expectRpcError(
       [&]() {
         rt.rpcSync<at::Tensor>(
-            "worker1", "aten::matmul", at::ones({2, 3}), at::ones({2, 3}));
+            "worker1",
+            "aten::matmul",
+            at::ones({2, 3}),
+            at::ones({2, 3}));
       },
       ErrorCode::kRemoteException,
       {"aten::matmul"});
@@ -298,12 +311,15 @@ TEST_P(RuntimeTest, BuiltinOperatorsAreCallableBySchemaName) {
 }
 
 TEST_P(RuntimeTest, BuiltinOperatorsCanBeDisabled) {
-  auto c = cluster(
-      2, [](int, rpc::Options& o) { o.allowBuiltinOperators = false; });
+  auto c =
+      cluster(2, [](int, rpc::Options& o) { o.allowBuiltinOperators = false; });
   expectRpcError(
       [&]() {
         (*c)[0].rpcSync<at::Tensor>(
-            "worker1", "aten::add.Tensor", at::ones({1}), at::ones({1}));
+            "worker1",
+            "aten::add.Tensor",
+            at::ones({1}),
+            at::ones({1}));
       },
       ErrorCode::kUnknownFunction,
       {"disabled"});
@@ -322,7 +338,8 @@ TEST_P(RuntimeTest, NestedCallsWithOneThreadDoNotDeadlock) {
       [](int rank, rpc::Runtime& rt) {
         rt.functions().add(
             "bounce",
-            [&rt, rank](at::Tensor x, int64_t depth) -> rpc::Future<at::Tensor> {
+            [&rt,
+             rank](at::Tensor x, int64_t depth) -> rpc::Future<at::Tensor> {
               if (depth == 0) {
                 return rpc::makeReadyFuture(x + 1);
               }
@@ -331,9 +348,11 @@ TEST_P(RuntimeTest, NestedCallsWithOneThreadDoNotDeadlock) {
                   .then([](at::Tensor y) { return y * 2; });
             });
       });
-  auto y = (*c)[0]
-               .withTimeout(10s)
-               .rpcSync<at::Tensor>("worker1", "bounce", at::ones({2}), 4);
+  auto y = (*c)[0].withTimeout(10s).rpcSync<at::Tensor>(
+      "worker1",
+      "bounce",
+      at::ones({2}),
+      4);
   // ((((1 + 1) * 2) * 2) * 2) * 2 = 32
   EXPECT_TRUE(at::equal(y, at::full({2}, 32.0)));
   EXPECT_TRUE(c->shutdownAll());
@@ -343,8 +362,7 @@ TEST_P(RuntimeTest, AsynchronousHandlerRepliesWhenItsFutureCompletes) {
   std::vector<std::thread> completers;
   auto c = cluster(2, nullptr, [&completers](int, rpc::Runtime& rt) {
     rt.functions().add("later", [&completers](int64_t v) {
-      auto impl =
-          c10::make_intrusive<c10::ivalue::Future>(c10::IntType::get());
+      auto impl = c10::make_intrusive<c10::ivalue::Future>(c10::IntType::get());
       completers.emplace_back([impl, v]() {
         std::this_thread::sleep_for(50ms);
         impl->markCompleted(v * 10);
@@ -368,7 +386,10 @@ TEST_P(RuntimeTest, ManyConcurrentCallsFromSeveralThreadsAllComplete) {
       std::vector<rpc::Future<int64_t>> futures;
       for (int i = 0; i < 200; ++i) {
         futures.push_back((*c)[t % 3].rpcAsync<int64_t>(
-            (t + i) % 3, "add", int64_t(i), int64_t(t)));
+            (t + i) % 3,
+            "add",
+            int64_t(i),
+            int64_t(t)));
       }
       for (int i = 0; i < 200; ++i) {
         if (futures[i].wait() != i + t) {
@@ -402,7 +423,9 @@ TEST_P(RuntimeTest, ImmediateShutdownFailsPendingCalls) {
   std::this_thread::sleep_for(50ms);
   (*c)[0].shutdown(/*graceful=*/false);
   expectRpcError(
-      [&]() { slow.wait(); }, ErrorCode::kShuttingDown, {"worker1", "sleep_ms"});
+      [&]() { slow.wait(); },
+      ErrorCode::kShuttingDown,
+      {"worker1", "sleep_ms"});
   expectRpcError(
       [&]() { (*c)[0].rpcSync<int64_t>("worker1", "add", 1, 2); },
       ErrorCode::kShuttingDown,
@@ -411,8 +434,8 @@ TEST_P(RuntimeTest, ImmediateShutdownFailsPendingCalls) {
 
 TEST_P(RuntimeTest, PeerThatShutsDownFailsCallsToItWithoutHanging) {
   auto c = cluster(2);
-  auto slow = (*c)[0].withTimeout(30s).rpcAsync<int64_t>(
-      "worker1", "sleep_ms", 1000);
+  auto slow =
+      (*c)[0].withTimeout(30s).rpcAsync<int64_t>("worker1", "sleep_ms", 1000);
   std::this_thread::sleep_for(50ms);
   (*c)[1].shutdown(/*graceful=*/false);
   try {
@@ -436,7 +459,9 @@ TEST_P(RuntimeTest, PeerThatShutsDownFailsCallsToItWithoutHanging) {
 TEST_P(RuntimeTest, MessagesOverTheCapFailWithTooLarge) {
   auto c = cluster(2, [](int, rpc::Options& o) { o.maxMessageBytes = 4096; });
   expectRpcError(
-      [&]() { (*c)[0].rpcSync<c10::IValue>("worker1", "echo", at::ones({4096})); },
+      [&]() {
+        (*c)[0].rpcSync<c10::IValue>("worker1", "echo", at::ones({4096}));
+      },
       ErrorCode::kTooLarge,
       {"worker1", "echo", "exceeds"});
   EXPECT_TRUE(c->shutdownAll());
@@ -444,8 +469,8 @@ TEST_P(RuntimeTest, MessagesOverTheCapFailWithTooLarge) {
 
 TEST_P(RuntimeTest, ValuesThatCannotBeSentFailTheCallNotTheProcess) {
   auto c = cluster(2);
-  auto unsendable =
-      c10::IValue(c10::make_intrusive<c10::ivalue::Future>(c10::IntType::get()));
+  auto unsendable = c10::IValue(
+      c10::make_intrusive<c10::ivalue::Future>(c10::IntType::get()));
   expectRpcError(
       [&]() { (*c)[0].rpcSync<c10::IValue>("worker1", "echo", unsendable); },
       ErrorCode::kBadArguments,

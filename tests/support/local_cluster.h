@@ -55,7 +55,8 @@ class LocalCluster {
         configure(rank, options);
       }
       runtimes_.push_back(std::make_unique<rpc::Runtime>(
-          "worker" + std::to_string(rank), options));
+          "worker" + std::to_string(rank),
+          options));
       if (setup) {
         setup(rank, *runtimes_.back());
       }
@@ -102,8 +103,7 @@ class LocalCluster {
     std::vector<std::future<void>> started;
     for (auto& runtime : runtimes_) {
       rpc::Runtime* r = runtime.get();
-      started.push_back(
-          std::async(std::launch::async, [r]() { r->start(); }));
+      started.push_back(std::async(std::launch::async, [r]() { r->start(); }));
     }
     for (auto& s : started) {
       s.get(); // rethrows a worker's start() failure
