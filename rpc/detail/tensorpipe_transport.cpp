@@ -49,9 +49,10 @@ constexpr size_t kMaxInlineTensorBytes = 64 * 1024;
 constexpr char kInlineTensor = 'p';
 constexpr char kChannelTensor = 't';
 
-// The thread through which this transport calls into TensorPipe. TensorPipe
-// runs its loop on whichever thread enters it, so calling it from user
-// threads would run other connections' callbacks there.
+// The thread through which this transport listens, closes and joins.
+// TensorPipe runs its loop on whichever thread enters it; for these rare,
+// possibly slow operations we keep that off the caller's thread (sends and
+// connects go straight to TensorPipe, see tensorpipe_transport.h).
 class SerialExecutor {
  public:
   SerialExecutor() : thread_([this]() { run(); }) {}
