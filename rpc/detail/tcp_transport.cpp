@@ -515,6 +515,8 @@ class TcpConnectionImpl
   bool setUpSocketFromLoop() {
     AsioError ec;
     socket_.set_option(tcp::no_delay(true), ec);
+    // NB: SO_SNDBUF/SO_RCVBUF stay at the kernel's autotuned defaults:
+    // fixing them (1 or 4 MiB) measured slower for 64 MiB messages here.
     std::string peer;
     tcp::endpoint remote = socket_.remote_endpoint(ec);
     if (!ec) {
