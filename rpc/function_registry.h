@@ -107,6 +107,7 @@ void checkArguments(
               signature + ")");
     }
   };
+  (void)checkOne; // unused when the function takes no arguments
   (checkOne(
        I,
        ValueTraits<std::tuple_element_t<I, Args>>::accepts(args[I]),

