@@ -3,7 +3,7 @@
 //   {"workload": W, "metric": M, "unit": U, "value": x, "better": B}
 // Each workload mirrors bench/pytorch_bench.py exactly (see bench/README.md).
 //
-//   torchrpc_bench --workload NAME [--transport tensorpipe|tensorpipe-shm]
+//   torchrpc_bench --workload NAME [--transport tcp|tensorpipe|tensorpipe-shm]
 //                  [--quick]
 
 #include <ATen/ATen.h>
@@ -50,7 +50,7 @@ struct Result {
 [[noreturn]] void usage(const std::string& why) {
   std::cerr << "torchrpc_bench: " << why
             << "\nusage: torchrpc_bench --workload NAME "
-               "[--transport tensorpipe|tensorpipe-shm] [--quick]\n";
+               "[--transport tcp|tensorpipe|tensorpipe-shm] [--quick]\n";
   std::exit(2);
 }
 
@@ -82,7 +82,9 @@ Options workerOptions(int rank, const Settings& s, const std::string& store) {
   o.worldSize = 2;
   o.initMethod = "file://" + store;
   o.transport = torchrpc::rpc::TransportKind::kTensorPipe;
-  if (s.transport == "tensorpipe") {
+  if (s.transport == "tcp") {
+    o.transport = torchrpc::rpc::TransportKind::kTcp;
+  } else if (s.transport == "tensorpipe") {
     o.tensorpipeTransports = {"uv"};
   } else if (s.transport == "tensorpipe-shm") {
     o.tensorpipeTransports = {"shm", "uv"};

@@ -56,7 +56,9 @@ Options Options::fromEnvironment() {
   options.spinAfterWork = std::chrono::microseconds(spin);
   if (const char* transport = env("TORCHRPC_TRANSPORT")) {
     std::string name = transport;
-    if (name == "tensorpipe") {
+    if (name == "tcp") {
+      options.transport = TransportKind::kTcp;
+    } else if (name == "tensorpipe") {
       options.transport = TransportKind::kTensorPipe;
     } else if (name == "tensorpipe-shm") {
       options.transport = TransportKind::kTensorPipe;
@@ -64,11 +66,17 @@ Options Options::fromEnvironment() {
     } else {
       TORCH_CHECK(
           false,
-          "TORCHRPC_TRANSPORT must be tensorpipe or tensorpipe-shm, got '",
+          "TORCHRPC_TRANSPORT must be tcp, tensorpipe or tensorpipe-shm, "
+          "got '",
           name,
           "'");
     }
   }
+  if (const char* secret = env("TORCHRPC_SHARED_SECRET")) {
+    options.sharedSecret = secret;
+  }
+  options.peerTimeout = std::chrono::milliseconds(
+      envInt("TORCHRPC_PEER_TIMEOUT_MS", options.peerTimeout.count()));
   return options;
 }
 

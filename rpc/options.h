@@ -25,6 +25,9 @@ enum class TransportKind {
   kTensorPipe,
   // Workers in one process, through Options::inProcessNetwork (tests).
   kInProcess,
+  // torchrpc's own TCP transport on Boost.Asio: validated frames, a
+  // handshake, an optional shared secret, heartbeats.
+  kTcp,
 };
 
 // Orders devices for DeviceMap: c10::Device has no operator<.
@@ -85,6 +88,16 @@ struct Options {
   // must be given the same network.
   std::shared_ptr<InProcessNetwork> inProcessNetwork;
 
+  // kTcp only. When set, every peer must prove it knows this secret
+  // (challenge-response, HMAC-SHA256; the secret never travels) before any
+  // of its messages is read.
+  std::string sharedSecret;
+  // kTcp only. Idle connections carry a heartbeat this often; a peer from
+  // which nothing arrived for peerTimeout is declared dead and the calls
+  // waiting on it fail with kWorkerUnavailable.
+  std::chrono::milliseconds heartbeatInterval{std::chrono::seconds(1)};
+  std::chrono::milliseconds peerTimeout{std::chrono::seconds(4)};
+
   // Per destination worker name: where tensors land there.
   std::map<std::string, DeviceMap> deviceMaps;
 
@@ -99,8 +112,9 @@ struct Options {
 
   // Reads RANK, WORLD_SIZE, MASTER_ADDR/MASTER_PORT (init method env://),
   // TORCHRPC_INIT_METHOD, TORCHRPC_LISTEN_ADDR, TORCHRPC_NUM_THREADS,
-  // TORCHRPC_TIMEOUT_MS, TORCHRPC_SPIN_US and TORCHRPC_TRANSPORT ("tensorpipe",
-  // "tensorpipe-shm"). Missing RANK/WORLD_SIZE default to 0 and 1.
+  // TORCHRPC_TIMEOUT_MS, TORCHRPC_SPIN_US, TORCHRPC_TRANSPORT ("tcp",
+  // "tensorpipe", "tensorpipe-shm"), TORCHRPC_SHARED_SECRET and
+  // TORCHRPC_PEER_TIMEOUT_MS. Missing RANK/WORLD_SIZE default to 0 and 1.
   static Options fromEnvironment();
 };
 

@@ -7,6 +7,7 @@
 
 #include "rpc/detail/call_handler.h"
 #include "rpc/detail/rendezvous.h"
+#include "rpc/detail/tcp_transport.h"
 #include "rpc/detail/tensorpipe_transport.h"
 #include "rpc/inprocess_transport.h"
 
@@ -46,6 +47,16 @@ std::unique_ptr<Transport> makeTransport(
     return std::make_unique<InProcessTransport>(
         options.inProcessNetwork,
         limitsOf(options));
+  }
+  if (kind == TransportKind::kTcp) {
+    detail::TcpTransportOptions tcp;
+    tcp.listenAddress = options.listenAddress;
+    tcp.limits = limitsOf(options);
+    tcp.name = name;
+    tcp.sharedSecret = options.sharedSecret;
+    tcp.heartbeatInterval = options.heartbeatInterval;
+    tcp.peerTimeout = options.peerTimeout;
+    return std::make_unique<detail::TcpTransport>(std::move(tcp));
   }
   detail::TensorPipeTransportOptions tp;
   tp.listenAddress = options.listenAddress;

@@ -27,27 +27,34 @@ std::string freshStorePath(const std::string& tag) {
   return path;
 }
 
-rpc::Options processOptions(int rank, int worldSize, const std::string& path) {
+rpc::Options processOptions(
+    int rank,
+    int worldSize,
+    const std::string& path,
+    rpc::TransportKind transport = rpc::TransportKind::kTensorPipe) {
   rpc::Options o;
   o.rank = rank;
   o.worldSize = worldSize;
   o.initMethod = "file://" + path;
-  o.transport = rpc::TransportKind::kTensorPipe;
+  o.transport = transport;
   o.rendezvousTimeout = 30s;
   o.shutdownTimeout = 30s;
   o.defaultTimeout = 30s;
   return o;
 }
 
-TEST(MultiProcess, ThreeWorkersCallAroundARingAndShutDownCleanly) {
+class MultiProcessTest : public ::testing::TestWithParam<rpc::TransportKind> {};
+
+TEST_P(MultiProcessTest, ThreeWorkersCallAroundARingAndShutDownCleanly) {
   auto path = freshStorePath("ring");
   ChildProcesses children;
   std::vector<pid_t> pids;
   for (int rank = 0; rank < 3; ++rank) {
-    pids.push_back(children.spawn([rank, path]() {
+    auto transport = GetParam();
+    pids.push_back(children.spawn([rank, path, transport]() {
       rpc::Runtime rt(
           "proc" + std::to_string(rank),
-          processOptions(rank, 3, path));
+          processOptions(rank, 3, path, transport));
       rt.functions().add("scale", [](at::Tensor x, double f) { return x * f; });
       rt.start();
       auto x = at::arange(1000, at::kFloat) + rank;
@@ -106,13 +113,14 @@ TEST(MultiProcess, EnvInitMethodAsTorchrunSetsIt) {
 // The callee signals through a pipe that the call is running; the parent
 // then SIGKILLs it. The caller's pending call must fail with
 // kWorkerUnavailable naming the peer, well before its 30 s timeout.
-TEST(MultiProcess, KilledPeerFailsPendingCallsPromptly) {
+TEST_P(MultiProcessTest, KilledPeerFailsPendingCallsPromptly) {
+  auto transport = GetParam();
   auto path = freshStorePath("kill");
   int started[2];
   ASSERT_EQ(::pipe(started), 0);
   ChildProcesses children;
-  pid_t victim = children.spawn([path, started]() {
-    rpc::Runtime rt("victim", processOptions(1, 2, path));
+  pid_t victim = children.spawn([path, started, transport]() {
+    rpc::Runtime rt("victim", processOptions(1, 2, path, transport));
     rt.functions().add("hang", [started]() {
       char byte = 1;
       (void)!::write(started[1], &byte, 1);
@@ -122,8 +130,8 @@ TEST(MultiProcess, KilledPeerFailsPendingCallsPromptly) {
     rt.start();
     std::this_thread::sleep_for(120s); // killed long before
   });
-  pid_t caller = children.spawn([path]() {
-    rpc::Runtime rt("caller", processOptions(0, 2, path));
+  pid_t caller = children.spawn([path, transport]() {
+    rpc::Runtime rt("caller", processOptions(0, 2, path, transport));
     rt.start();
     auto future = rt.withTimeout(30s).rpcAsync<int64_t>("victim", "hang");
     auto begin = std::chrono::steady_clock::now();
@@ -147,6 +155,74 @@ TEST(MultiProcess, KilledPeerFailsPendingCallsPromptly) {
   ::close(started[1]);
   std::remove(path.c_str());
 }
+
+// The peer stops answering but its sockets stay open (SIGSTOP): only
+// heartbeats can tell. The TCP transport must fail the pending call with
+// kWorkerUnavailable within peerTimeout plus one heartbeat, long before the
+// call's own 30 s deadline.
+TEST(MultiProcess, StoppedPeerIsDetectedByHeartbeatsOverTcp) {
+  auto path = freshStorePath("stop");
+  int started[2];
+  ASSERT_EQ(::pipe(started), 0);
+  auto options = [&](int rank) {
+    auto o = processOptions(rank, 2, path, rpc::TransportKind::kTcp);
+    o.heartbeatInterval = 200ms;
+    o.peerTimeout = 1000ms;
+    return o;
+  };
+  ChildProcesses children;
+  pid_t victim = children.spawn([&]() {
+    rpc::Runtime rt("victim", options(1));
+    rt.functions().add("hang", [started]() {
+      char byte = 1;
+      (void)!::write(started[1], &byte, 1);
+      std::this_thread::sleep_for(60s);
+      return int64_t(0);
+    });
+    rt.start();
+    std::this_thread::sleep_for(120s); // stopped, then killed
+  });
+  pid_t caller = children.spawn([&]() {
+    rpc::Runtime rt("caller", options(0));
+    rt.start();
+    auto future = rt.withTimeout(30s).rpcAsync<int64_t>("victim", "hang");
+    // The parent stops the victim once the call runs there.
+    try {
+      future.wait();
+      ADD_FAILURE() << "the call to a stopped peer succeeded";
+    } catch (const rpc::RpcError& e) {
+      EXPECT_EQ(e.code(), rpc::ErrorCode::kWorkerUnavailable) << e.what();
+      EXPECT_EQ(e.worker(), "victim");
+      EXPECT_NE(std::string(e.what()).find("heartbeat"), std::string::npos)
+          << e.what();
+    }
+    rt.shutdown(/*graceful=*/false);
+  });
+  pollfd pfd{started[0], POLLIN, 0};
+  ASSERT_EQ(::poll(&pfd, 1, 30000), 1) << "the call never reached the victim";
+  auto stoppedAt = std::chrono::steady_clock::now();
+  children.kill(victim, SIGSTOP);
+  EXPECT_EQ(children.wait(caller, 60s), 0);
+  // Detected within peerTimeout (1 s) + a heartbeat + slack for a loaded
+  // machine; PyTorch would wait for the call's whole timeout.
+  EXPECT_LT(std::chrono::steady_clock::now() - stoppedAt, 5s);
+  children.kill(victim, SIGKILL);
+  children.wait(victim, 10s);
+  ::close(started[0]);
+  ::close(started[1]);
+  std::remove(path.c_str());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Transports,
+    MultiProcessTest,
+    ::testing::Values(
+        rpc::TransportKind::kTensorPipe,
+        rpc::TransportKind::kTcp),
+    [](const ::testing::TestParamInfo<rpc::TransportKind>& info) {
+      return info.param == rpc::TransportKind::kTcp ? std::string("Tcp")
+                                                    : std::string("TensorPipe");
+    });
 
 } // namespace
 } // namespace torchrpc

@@ -500,7 +500,10 @@ TEST_P(RuntimeTest, StartsAgainInTheSameProcessAfterShutdown) {
 INSTANTIATE_TEST_SUITE_P(
     Transports,
     RuntimeTest,
-    ::testing::Values(TestTransport::kInProcess, TestTransport::kTensorPipe),
+    ::testing::Values(
+        TestTransport::kInProcess,
+        TestTransport::kTensorPipe,
+        TestTransport::kTcp),
     testing::transportName);
 
 // ---- set-up errors, independent of the transport --------------------------

@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "rpc/detail/tcp_transport.h"
 #include "rpc/detail/tensorpipe_transport.h"
 #include "rpc/inprocess_transport.h"
 #include "rpc/transport.h"
@@ -228,7 +229,7 @@ Message makeMessage(std::string header, std::vector<at::Tensor> tensors) {
   return message;
 }
 
-enum class Kind { kInProcess, kTensorPipe, kTensorPipeBasic };
+enum class Kind { kInProcess, kTensorPipe, kTensorPipeBasic, kTcp };
 
 std::string kindName(const testing::TestParamInfo<Kind>& info) {
   switch (info.param) {
@@ -238,6 +239,8 @@ std::string kindName(const testing::TestParamInfo<Kind>& info) {
       return "TensorPipe";
     case Kind::kTensorPipeBasic:
       return "TensorPipeBasicChannel";
+    case Kind::kTcp:
+      return "Tcp";
   }
   return "Unknown";
 }
@@ -258,6 +261,12 @@ class TransportTest : public testing::TestWithParam<Kind> {
           options.channels = {"basic"};
         }
         return std::make_unique<detail::TensorPipeTransport>(options);
+      }
+      case Kind::kTcp: {
+        detail::TcpTransportOptions options;
+        options.limits = limits;
+        options.name = "test" + std::to_string(nextName_++);
+        return std::make_unique<detail::TcpTransport>(options);
       }
     }
     return nullptr;
@@ -659,7 +668,8 @@ INSTANTIATE_TEST_SUITE_P(
     testing::Values(
         Kind::kInProcess,
         Kind::kTensorPipe,
-        Kind::kTensorPipeBasic),
+        Kind::kTensorPipeBasic,
+        Kind::kTcp),
     kindName);
 
 // ---- In-process only: addresses and fault injection ----

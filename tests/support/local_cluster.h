@@ -19,11 +19,19 @@
 namespace torchrpc {
 namespace testing {
 
-enum class TestTransport { kInProcess, kTensorPipe };
+enum class TestTransport { kInProcess, kTensorPipe, kTcp };
 
 inline std::string transportName(
     const ::testing::TestParamInfo<TestTransport>& info) {
-  return info.param == TestTransport::kInProcess ? "InProcess" : "TensorPipe";
+  switch (info.param) {
+    case TestTransport::kInProcess:
+      return "InProcess";
+    case TestTransport::kTensorPipe:
+      return "TensorPipe";
+    case TestTransport::kTcp:
+      return "Tcp";
+  }
+  return "Unknown";
 }
 
 class LocalCluster {
@@ -48,6 +56,8 @@ class LocalCluster {
       if (transport == TestTransport::kInProcess) {
         options.transport = rpc::TransportKind::kInProcess;
         options.inProcessNetwork = network_;
+      } else if (transport == TestTransport::kTcp) {
+        options.transport = rpc::TransportKind::kTcp;
       } else {
         options.transport = rpc::TransportKind::kTensorPipe;
       }
