@@ -21,7 +21,9 @@
 #include <openssl/rand.h>
 
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -29,6 +31,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -79,7 +82,60 @@ enum class FrameType : uint8_t {
   kData = 4,
   kHeartbeat = 5,
   kClose = 6,
+  kCmaProbe = 7,
+  kCmaResult = 8,
+  kDataCma = 9,
+  kAck = 10,
 };
+
+// Same-host zero copy, see Note [TCP transport wire format].
+constexpr size_t kChallengeBytes = 16;
+// process_vm_readv moves at most this much per call (it caps a call at
+// MAX_RW_COUNT anyway); looping keeps a short read from being an error.
+constexpr size_t kMaxPeerReadBytes = size_t(1) << 30;
+
+// What tells two processes they share a kernel and a pid namespace, so the
+// pid a peer announces names the peer. Empty bootId: unknown, no zero copy.
+struct HostIdentity {
+  std::string bootId;
+  uint64_t pidNamespace = 0;
+};
+
+HostIdentity localHostIdentity() {
+  HostIdentity identity;
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string bootId;
+  struct stat info {};
+  if (std::getline(in, bootId) && !bootId.empty() &&
+      ::stat("/proc/self/ns/pid", &info) == 0) {
+    identity.bootId = bootId;
+    identity.pidNamespace = info.st_ino;
+  }
+  return identity;
+}
+
+// Reads `length` bytes at `from` in process `pid` into `to`. Returns 0 or
+// the errno (EFAULT for a read that makes no progress).
+int readFromPeer(pid_t pid, char* to, uint64_t from, size_t length) {
+  size_t done = 0;
+  while (done < length) {
+    size_t chunk = std::min(length - done, kMaxPeerReadBytes);
+    iovec local{to + done, chunk};
+    iovec remote{reinterpret_cast<void*>(from + done), chunk};
+    ssize_t n = ::process_vm_readv(pid, &local, 1, &remote, 1, 0);
+    if (n < 0) {
+      if (errno == EINTR) {
+        continue;
+      }
+      return errno;
+    }
+    if (n == 0) {
+      return EFAULT;
+    }
+    done += static_cast<size_t>(n);
+  }
+  return 0;
+}
 
 const char* const kClientRole = "torchrpc-tcp-v1 client";
 const char* const kServerRole = "torchrpc-tcp-v1 server";
@@ -118,8 +174,8 @@ std::string frameHeader(FrameType type, uint32_t bodyBytes, uint32_t count) {
   return out;
 }
 
-std::string randomNonce() {
-  std::string nonce(kNonceBytes, '\0');
+std::string randomNonce(size_t bytes = kNonceBytes) {
+  std::string nonce(bytes, '\0');
   TORCH_CHECK(
       RAND_bytes(
           reinterpret_cast<unsigned char*>(&nonce[0]),
@@ -185,6 +241,14 @@ class BodyReader {
     return bytes(
         getLe(reinterpret_cast<const unsigned char*>(length.data()), 2),
         out);
+  }
+  bool u64(uint64_t& out) {
+    std::string bytes8;
+    if (!bytes(8, bytes8)) {
+      return false;
+    }
+    out = getLe(reinterpret_cast<const unsigned char*>(bytes8.data()), 8);
+    return true;
   }
   bool atEnd() const {
     return offset_ == body_.size();
@@ -291,11 +355,15 @@ struct TcpContext {
   explicit TcpContext(TcpTransportOptions opts)
       : options(std::move(opts)),
         io(std::max(1, options.ioThreads)),
-        pool(ReceiveBufferPool::create()) {}
+        pool(ReceiveBufferPool::create()),
+        host(
+            options.sameHostZeroCopy ? localHostIdentity()
+                                     : HostIdentity()) {}
 
   const TcpTransportOptions options;
   asio::io_context io;
   const std::shared_ptr<ReceiveBufferPool> pool;
+  const HostIdentity host;
   // Set once the io threads are gone: work is then done inline.
   std::atomic<bool> joined{false};
 
@@ -384,20 +452,63 @@ class TcpConnectionImpl
       done(&error);
       return;
     }
+    const size_t count = message.tensors.size();
+    const size_t minBytes =
+        std::max<size_t>(1, context_->options.zeroCopyMinBytes);
+    std::vector<size_t> lengths(count);
+    bool anyLarge = false;
+    for (size_t i = 0; i < count; ++i) {
+      lengths[i] = message.tensors[i].nbytes();
+      anyLarge = anyLarge || lengths[i] >= minBytes;
+    }
+    // Large tensors go by address once the peer proved it can read us;
+    // they then wait in awaitingAck_ (registered before the frame can go
+    // out, so the ack always finds them).
+    bool byAddress = false;
+    uint64_t id = 0;
+    std::vector<uint64_t> addresses;
+    if (anyLarge) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (peerReadsUs_ && !failed_) {
+        byAddress = true;
+        id = nextCmaId_++;
+        addresses.assign(count, 0);
+        std::vector<at::Tensor>& kept = awaitingAck_[id];
+        for (size_t i = 0; i < count; ++i) {
+          at::Tensor& tensor = message.tensors[i];
+          if (lengths[i] >= minBytes) {
+            addresses[i] = reinterpret_cast<uintptr_t>(tensor.data_ptr());
+            kept.push_back(std::move(tensor));
+          }
+        }
+      }
+    }
     OutFrame frame;
     frame.prefix = frameHeader(
-        FrameType::kData,
+        byAddress ? FrameType::kDataCma : FrameType::kData,
         static_cast<uint32_t>(message.header.size()),
-        static_cast<uint32_t>(message.tensors.size()));
-    frame.prefix.resize(kFrameHeaderBytes + 8 * message.tensors.size());
+        static_cast<uint32_t>(count));
+    frame.prefix.resize(
+        kFrameHeaderBytes + 8 * count + (byAddress ? 8 * (count + 1) : 0));
     frame.total = frame.prefix.size() + message.header.size();
-    for (size_t i = 0; i < message.tensors.size(); ++i) {
-      size_t nbytes = message.tensors[i].nbytes();
-      putU64(&frame.prefix[kFrameHeaderBytes + 8 * i], nbytes);
-      frame.total += nbytes;
+    for (size_t i = 0; i < count; ++i) {
+      putU64(&frame.prefix[kFrameHeaderBytes + 8 * i], lengths[i]);
+    }
+    if (byAddress) {
+      char* words = &frame.prefix[kFrameHeaderBytes + 8 * count];
+      putU64(words, id);
+      for (size_t i = 0; i < count; ++i) {
+        putU64(words + 8 * (i + 1), addresses[i]);
+      }
+    }
+    for (size_t i = 0; i < count; ++i) {
+      // Moved-from (by address) tensors are not written.
+      if (!byAddress || addresses[i] == 0) {
+        frame.total += lengths[i];
+        frame.tensors.push_back(std::move(message.tensors[i]));
+      }
     }
     frame.body = std::move(message.header);
-    frame.tensors = std::move(message.tensors);
     frame.done = std::move(done);
     enqueue(std::move(frame), /*isData=*/true);
   }
@@ -434,6 +545,8 @@ class TcpConnectionImpl
   // down (which ends the pending read), onError runs on the strand.
   TransportError fail(const TransportError& error) {
     std::deque<OutFrame> dropped;
+    // No ack comes after a failure: the peer no longer reads our memory.
+    std::map<uint64_t, std::vector<at::Tensor>> unacked;
     TransportError sticky;
     bool first = false;
     {
@@ -442,6 +555,8 @@ class TcpConnectionImpl
         failed_ = true;
         first = true;
         error_ = error;
+        unacked = std::move(awaitingAck_);
+        awaitingAck_.clear();
         dropped = std::move(queue_);
         queue_.clear();
         for (OutFrame& frame : pendingData_) {
@@ -484,6 +599,7 @@ class TcpConnectionImpl
       std::string body(1, self->authenticates() ? '\1' : '\0');
       body += self->clientNonce_;
       appendShortString(body, self->context_->options.name);
+      self->appendHostSectionFromLoop(body, /*announce=*/false);
       self->enqueue(controlFrame(FrameType::kHello, body), false);
       self->readFrameHeaderFromLoop();
     });
@@ -851,7 +967,40 @@ class TcpConnectionImpl
             ErrorCode::kWorkerUnavailable,
             "connection to " + describe() + " closed by the peer"});
         return;
+      case FrameType::kCmaProbe:
+      case FrameType::kCmaResult:
+      case FrameType::kAck: {
+        size_t expected = type == FrameType::kCmaProbe ? 9
+            : type == FrameType::kAck                  ? 8
+                                                       : 1;
+        if (bodyBytes != expected || count != 0) {
+          violationFromLoop("malformed control frame");
+          return;
+        }
+        body_.assign(bodyBytes, '\0');
+        auto self = shared_from_this();
+        asio::async_read(
+            socket_,
+            asio::buffer(&body_[0], body_.size()),
+            ReadProgress{this},
+            [self, type](const AsioError& ec, size_t) {
+              if (ec) {
+                self->failFromNetwork(ec);
+                return;
+              }
+              self->onControlBodyFromLoop(type);
+            });
+        return;
+      }
       case FrameType::kData:
+        dataCma_ = false;
+        break;
+      case FrameType::kDataCma:
+        if (!weReadPeer_ || count == 0) {
+          violationFromLoop("unexpected zero-copy data frame");
+          return;
+        }
+        dataCma_ = true;
         break;
       default:
         violationFromLoop(
@@ -913,6 +1062,36 @@ class TcpConnectionImpl
       }
       total += length;
     }
+    if (!dataCma_) {
+      readPayloadFromLoop();
+      return;
+    }
+    cmaWords_.assign(lengths_.size() + 1, 0);
+    auto self = shared_from_this();
+    asio::async_read(
+        socket_,
+        asio::buffer(cmaWords_.data(), cmaWords_.size() * sizeof(uint64_t)),
+        ReadProgress{this},
+        [self](const AsioError& ec, size_t) {
+          if (ec) {
+            self->failFromNetwork(ec);
+            return;
+          }
+          for (uint64_t& word : self->cmaWords_) {
+            word = getLe(reinterpret_cast<const unsigned char*>(&word), 8);
+          }
+          self->readPayloadFromLoop();
+        });
+  }
+
+  // Whether tensor `i` of the frame being read comes by address.
+  bool byAddressFromLoop(size_t i) const {
+    return dataCma_ && cmaWords_[i + 1] != 0;
+  }
+
+  // Allocates the message the lengths (already validated) describe and
+  // reads its inline parts.
+  void readPayloadFromLoop() {
     // The buffers point into the holder: a short header lives inside the
     // std::string, so the message must not move before the read completes.
     auto holder = std::make_shared<Message>();
@@ -936,13 +1115,13 @@ class TcpConnectionImpl
       buffers.push_back(asio::buffer(&message.header[0], bodyBytes_));
     }
     for (size_t i = 0; i < lengths_.size(); ++i) {
-      if (lengths_[i] > 0) {
+      if (lengths_[i] > 0 && !byAddressFromLoop(i)) {
         buffers.push_back(
             asio::buffer(message.tensors[i].data_ptr(), lengths_[i]));
       }
     }
     if (buffers.empty()) {
-      deliverFromLoop(std::move(message));
+      finishPayloadFromLoop(std::move(message));
       return;
     }
     auto self = shared_from_this();
@@ -955,8 +1134,43 @@ class TcpConnectionImpl
             self->failFromNetwork(ec);
             return;
           }
-          self->deliverFromLoop(std::move(*holder));
+          self->finishPayloadFromLoop(std::move(*holder));
         });
+  }
+
+  // Copies the tensors that came by address out of the peer, acks them so
+  // the peer may free them, and delivers.
+  void finishPayloadFromLoop(Message&& message) {
+    if (dataCma_) {
+      for (size_t i = 0; i < lengths_.size(); ++i) {
+        if (!byAddressFromLoop(i)) {
+          continue;
+        }
+        int error = readFromPeer(
+            peerPid_,
+            static_cast<char*>(message.tensors[i].data_ptr()),
+            cmaWords_[i + 1],
+            lengths_[i]);
+        if (error == ESRCH) {
+          fail(TransportError{
+              ErrorCode::kWorkerUnavailable,
+              "connection to " + describe() +
+                  " failed: the peer process is gone"});
+          return;
+        }
+        if (error != 0) {
+          violationFromLoop(
+              std::string("cannot read an announced tensor: ") +
+              std::strerror(error));
+          return;
+        }
+      }
+      lastReceive_ = Clock::now();
+      std::string id(8, '\0');
+      putU64(&id[0], cmaWords_[0]);
+      enqueue(controlFrame(FrameType::kAck, std::move(id)), false);
+    }
+    deliverFromLoop(std::move(message));
   }
 
   void deliverFromLoop(Message&& message) {
@@ -1026,7 +1240,9 @@ class TcpConnectionImpl
       violationFromLoop("malformed handshake");
       return;
     }
-    if (!reader.shortString(name) || !reader.atEnd()) {
+    uint64_t probeAddress = 0;
+    if (!reader.shortString(name) ||
+        !readHostSectionFromLoop(reader, probeAddress) || !reader.atEnd()) {
       violationFromLoop("malformed handshake");
       return;
     }
@@ -1040,6 +1256,9 @@ class TcpConnectionImpl
         reply += proofOf(secret, kServerRole, clientNonce_, serverNonce_);
       }
       appendShortString(reply, context_->options.name);
+      if (peerSentHost_) {
+        offeredCma_ = appendHostSectionFromLoop(reply, /*announce=*/true);
+      }
       {
         std::lock_guard<std::mutex> lock(mutex_);
         describe_ = "'" + name + "' (" + describe_ + ")";
@@ -1067,6 +1286,17 @@ class TcpConnectionImpl
               FrameType::kProof,
               proofOf(secret, kClientRole, clientNonce_, serverNonce_)),
           false);
+    }
+    if (peerSentHost_ && !ourChallenge_.empty()) {
+      // The server offered zero copy: tell it whether we can read it, and
+      // where it finds its challenge in our memory.
+      weReadPeer_ = probePeerFromLoop(probeAddress);
+      std::string offer(1, weReadPeer_ ? '\1' : '\0');
+      char word[8];
+      putU64(word, peerOnHost_ ? reinterpret_cast<uintptr_t>(probe_) : 0);
+      offer.append(word, 8);
+      sentCmaProbe_ = true;
+      enqueue(controlFrame(FrameType::kCmaProbe, offer), false);
     }
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -1120,6 +1350,131 @@ class TcpConnectionImpl
   }
 
   void handOverFromLoop();
+
+  // ---- Same-host zero copy, on the strand ----
+
+  // Ends a handshake body with our host section; the server also announces
+  // where it keeps the client's challenge. False if zero copy is off.
+  bool appendHostSectionFromLoop(std::string& out, bool announce) {
+    const HostIdentity& host = context_->host;
+    if (host.bootId.empty()) {
+      return false;
+    }
+    ourChallenge_ = randomNonce(kChallengeBytes);
+    out += '\1';
+    appendShortString(out, host.bootId);
+    char word[8];
+    putU64(word, host.pidNamespace);
+    out.append(word, 8);
+    putU64(word, static_cast<uint64_t>(::getpid()));
+    out.append(word, 8);
+    out += ourChallenge_;
+    if (announce) {
+      putU64(word, peerOnHost_ ? reinterpret_cast<uintptr_t>(probe_) : 0);
+      out.append(word, 8);
+    }
+    return true;
+  }
+
+  // Reads the peer's optional host section. False if it is malformed.
+  bool readHostSectionFromLoop(BodyReader& reader, uint64_t& address) {
+    address = 0;
+    if (reader.atEnd()) {
+      return true;
+    }
+    uint8_t flag = 0;
+    std::string bootId;
+    std::string challenge;
+    uint64_t pidNamespace = 0;
+    uint64_t pid = 0;
+    if (!reader.u8(flag) || flag != 1 || !reader.shortString(bootId) ||
+        !reader.u64(pidNamespace) || !reader.u64(pid) ||
+        !reader.bytes(kChallengeBytes, challenge)) {
+      return false;
+    }
+    if (role_ == Role::kClient && !reader.u64(address)) {
+      return false;
+    }
+    peerSentHost_ = true;
+    const HostIdentity& host = context_->host;
+    peerOnHost_ = !host.bootId.empty() && bootId == host.bootId &&
+        pidNamespace == host.pidNamespace && pid > 0 &&
+        pid <= static_cast<uint64_t>(std::numeric_limits<pid_t>::max());
+    if (peerOnHost_) {
+      peerPid_ = static_cast<pid_t>(pid);
+      std::memcpy(probe_, challenge.data(), kChallengeBytes);
+    }
+    return true;
+  }
+
+  // Whether the peer's memory at `address` holds the challenge we sent:
+  // then peerPid_ is the peer (or lets the peer write its memory).
+  bool probePeerFromLoop(uint64_t address) {
+    if (!peerOnHost_ || address == 0 || ourChallenge_.empty()) {
+      return false;
+    }
+    std::string got(kChallengeBytes, '\0');
+    return readFromPeer(peerPid_, &got[0], address, got.size()) == 0 &&
+        equalInConstantTime(got, ourChallenge_);
+  }
+
+  // kCmaProbe, kCmaResult or kAck, whose body is in body_.
+  void onControlBodyFromLoop(FrameType type) {
+    BodyReader reader(body_);
+    uint8_t flag = 0;
+    uint64_t word = 0;
+    if (type == FrameType::kAck) {
+      reader.u64(word);
+      std::vector<at::Tensor> released;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto it = awaitingAck_.find(word);
+        if (it != awaitingAck_.end()) {
+          released = std::move(it->second);
+          awaitingAck_.erase(it);
+        } else if (!failed_) {
+          flag = 1;
+        }
+      }
+      if (flag) {
+        violationFromLoop("ack for an unknown message");
+        return;
+      }
+      readFrameHeaderFromLoop();
+      return;
+    }
+    if (type == FrameType::kCmaProbe) {
+      if (role_ != Role::kServer || !offeredCma_ || gotCmaFrame_ ||
+          !reader.u8(flag) || flag > 1 || !reader.u64(word)) {
+        violationFromLoop("unexpected zero-copy probe");
+        return;
+      }
+      gotCmaFrame_ = true;
+      weReadPeer_ = probePeerFromLoop(word);
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        peerReadsUs_ = flag == 1;
+      }
+      enqueue(
+          controlFrame(
+              FrameType::kCmaResult, std::string(1, weReadPeer_ ? 1 : 0)),
+          false);
+      readFrameHeaderFromLoop();
+      return;
+    }
+    // kCmaResult
+    if (role_ != Role::kClient || !sentCmaProbe_ || gotCmaFrame_ ||
+        !reader.u8(flag) || flag > 1) {
+      violationFromLoop("unexpected zero-copy result");
+      return;
+    }
+    gotCmaFrame_ = true;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      peerReadsUs_ = flag == 1;
+    }
+    readFrameHeaderFromLoop();
+  }
 
   // ---- Liveness, on the strand ----
 
@@ -1182,6 +1537,19 @@ class TcpConnectionImpl
   std::string serverNonce_;
   std::string peerName_;
   Clock::time_point lastReceive_ = Clock::now();
+  // Zero copy (strand only): the challenge we sent, the peer's challenge
+  // as we expose it to the peer, and what we learned about the peer.
+  std::string ourChallenge_;
+  unsigned char probe_[kChallengeBytes] = {};
+  bool peerSentHost_ = false;
+  bool peerOnHost_ = false;
+  pid_t peerPid_ = 0;
+  bool offeredCma_ = false; // server: sent a host section in kWelcome
+  bool sentCmaProbe_ = false; // client
+  bool gotCmaFrame_ = false; // kCmaProbe or kCmaResult seen
+  bool weReadPeer_ = false; // kDataCma frames are accepted
+  bool dataCma_ = false; // the frame being read is kDataCma
+  std::vector<uint64_t> cmaWords_; // its id, then an address per tensor
 
   mutable std::mutex mutex_;
   std::string describe_;
@@ -1196,6 +1564,10 @@ class TcpConnectionImpl
   std::deque<OutFrame> pendingData_; // sent before the handshake passed
   bool waitingWritable_ = false; // an io thread finishes the queue
   bool wroteSinceTick_ = false;
+  bool peerReadsUs_ = false; // we may send kDataCma
+  uint64_t nextCmaId_ = 0;
+  // Tensors the peer reads from our memory, by message id, until its ack.
+  std::map<uint64_t, std::vector<at::Tensor>> awaitingAck_;
   // Touched on the strand only once started.
   Connection::ReceiveCallback onMessage_;
   Connection::ErrorCallback onError_;

@@ -38,6 +38,12 @@ struct TcpTransportOptions {
   std::chrono::milliseconds peerTimeout{4000};
   // Threads running the sockets' reads, timers and accepts.
   int ioThreads = 1;
+  // Tensors of at least zeroCopyMinBytes sent to a peer on this host that
+  // proved it can read our memory travel as (address, length) and are read
+  // by the peer with process_vm_readv: one copy instead of two plus the
+  // loopback. See Note [TCP transport wire format].
+  bool sameHostZeroCopy = true;
+  size_t zeroCopyMinBytes = size_t(256) << 10;
 };
 
 // Note [TCP transport wire format]
@@ -62,6 +68,30 @@ struct TcpTransportOptions {
 // the lengths (at most maxTensorsPerMessage of them), checks the body and
 // the sum against TransportLimits, and only then allocates: the body as a
 // string, each tensor as a ReceiveBufferPool buffer, read in place.
+//
+// Same-host zero copy (sameHostZeroCopy, on both sides): kHello and
+// kWelcome may end with a section {u8 1 | short string boot_id | u64 pid
+// namespace inode | u64 pid | 16-byte challenge}, kWelcome's followed by
+// u64 address. Each side that sees the same boot_id and pid namespace
+// writes the peer's challenge into its own memory and announces where: the
+// server in kWelcome, the client in a kCmaProbe {u8 can-read-you | u64
+// address} right after the handshake, answered by kCmaResult {u8
+// can-read-you}. A side "can read" its peer when one process_vm_readv of
+// the announced address returns its own random challenge, which proves
+// the announced pid is the peer (or cooperates with it). A sender uses
+// kDataCma only once the peer said it can read it:
+//
+//   kDataCma = kData's header and lengths | u64 id | u64 address per
+//              tensor (0: its bytes follow inline) | body | inline bytes
+//
+// The receiver validates the lengths as for kData, allocates pool buffers,
+// reads every addressed tensor with process_vm_readv, then sends kAck {u64
+// id} and delivers. The sender keeps those tensors alive until the ack
+// arrives or the connection fails (a send's done runs when the frame is
+// written). A failed read fails the connection: kWorkerUnavailable if the
+// peer process is gone (ESRCH), kMalformedMessage if it announced memory it
+// does not have. A peer can only make us read its own address space, into
+// buffers sized by validated lengths.
 //
 // Handshake, before any data frame:
 //   1. client -> kHello   {auth, client nonce, client name}
