@@ -37,7 +37,7 @@ using torchrpc::rpc::Runtime;
 
 struct Settings {
   std::string workload;
-  std::string transport = "tensorpipe";
+  std::string transport = "tcp"; // the runtime's default
   bool quick = false;
 };
 
@@ -81,12 +81,13 @@ Options workerOptions(int rank, const Settings& s, const std::string& store) {
   o.rank = rank;
   o.worldSize = 2;
   o.initMethod = "file://" + store;
-  o.transport = torchrpc::rpc::TransportKind::kTensorPipe;
   if (s.transport == "tcp") {
     o.transport = torchrpc::rpc::TransportKind::kTcp;
   } else if (s.transport == "tensorpipe") {
+    o.transport = torchrpc::rpc::TransportKind::kTensorPipe;
     o.tensorpipeTransports = {"uv"};
   } else if (s.transport == "tensorpipe-shm") {
+    o.transport = torchrpc::rpc::TransportKind::kTensorPipe;
     o.tensorpipeTransports = {"shm", "uv"};
   } else {
     usage("unknown transport '" + s.transport + "'");

@@ -19,7 +19,9 @@ class InProcessNetwork;
 
 // Which transport carries messages between workers.
 enum class TransportKind {
-  // TensorPipe unless an in-process network is given (then in-process).
+  // kTcp unless an in-process network is given (then in-process). TCP is
+  // the default on one host and across hosts: it meets every target of
+  // bench/RESULTS.md and survives hostile peers; see README "Transports".
   kAuto,
   // TensorPipe over TCP (its "uv" transport), optionally shared memory.
   kTensorPipe,

@@ -38,7 +38,7 @@ std::unique_ptr<Transport> makeTransport(
   TransportKind kind = options.transport;
   if (kind == TransportKind::kAuto) {
     kind = options.inProcessNetwork ? TransportKind::kInProcess
-                                    : TransportKind::kTensorPipe;
+                                    : TransportKind::kTcp;
   }
   if (kind == TransportKind::kInProcess) {
     TORCH_CHECK(
