@@ -356,9 +356,7 @@ struct TcpContext {
       : options(std::move(opts)),
         io(std::max(1, options.ioThreads)),
         pool(ReceiveBufferPool::create()),
-        host(
-            options.sameHostZeroCopy ? localHostIdentity()
-                                     : HostIdentity()) {}
+        host(options.sameHostZeroCopy ? localHostIdentity() : HostIdentity()) {}
 
   const TcpTransportOptions options;
   asio::io_context io;
@@ -1457,7 +1455,8 @@ class TcpConnectionImpl
       }
       enqueue(
           controlFrame(
-              FrameType::kCmaResult, std::string(1, weReadPeer_ ? 1 : 0)),
+              FrameType::kCmaResult,
+              std::string(1, weReadPeer_ ? 1 : 0)),
           false);
       readFrameHeaderFromLoop();
       return;

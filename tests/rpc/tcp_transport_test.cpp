@@ -32,6 +32,7 @@
 #include "rpc/detail/tcp_transport.h"
 #include "rpc/detail/tensorpipe_transport.h"
 #include "rpc/transport.h"
+#include "tests/support/transport_harness.h"
 
 namespace torchrpc {
 namespace rpc {
@@ -39,99 +40,9 @@ namespace {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
+using namespace harness;
 
-constexpr auto kTimeout = 10s;
 constexpr auto kHandshakeTimeout = 300ms;
-
-class Inbox {
- public:
-  void onMessage(Message&& message) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    messages_.push_back(std::move(message));
-    cv_.notify_all();
-  }
-  void onError(const TransportError& error) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    errors_.push_back(error);
-    cv_.notify_all();
-  }
-  bool waitForMessages(size_t count, std::chrono::milliseconds timeout) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    return cv_.wait_for(lock, timeout, [&]() {
-      return messages_.size() >= count;
-    });
-  }
-  bool waitForError(std::chrono::milliseconds timeout = kTimeout) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    return cv_.wait_for(lock, timeout, [&]() { return !errors_.empty(); });
-  }
-  std::vector<Message> messages() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return messages_;
-  }
-  std::vector<TransportError> errors() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return errors_;
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::vector<Message> messages_;
-  std::vector<TransportError> errors_;
-};
-
-std::shared_ptr<Inbox> startWithInbox(const std::shared_ptr<Connection>& c) {
-  auto inbox = std::make_shared<Inbox>();
-  c->start(
-      [inbox](Message&& message) { inbox->onMessage(std::move(message)); },
-      [inbox](const TransportError& error) { inbox->onError(error); });
-  return inbox;
-}
-
-class Acceptor {
- public:
-  struct Accepted {
-    std::shared_ptr<Connection> connection;
-    std::shared_ptr<Inbox> inbox;
-  };
-
-  explicit Acceptor(Transport& transport) {
-    transport.listen([this](std::shared_ptr<Connection> connection) {
-      auto inbox = startWithInbox(connection);
-      std::lock_guard<std::mutex> lock(mutex_);
-      accepted_.push_back({std::move(connection), std::move(inbox)});
-      cv_.notify_all();
-    });
-  }
-
-  Accepted waitFor(size_t index, std::chrono::milliseconds timeout = kTimeout) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (!cv_.wait_for(lock, timeout, [&]() {
-          return accepted_.size() > index;
-        })) {
-      return Accepted{};
-    }
-    return accepted_[index];
-  }
-
-  size_t count() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return accepted_.size();
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::vector<Accepted> accepted_;
-};
-
-Message makeMessage(std::string header, std::vector<at::Tensor> tensors = {}) {
-  Message message;
-  message.header = std::move(header);
-  message.tensors = std::move(tensors);
-  return message;
-}
 
 detail::TcpTransportOptions testOptions(std::string name) {
   detail::TcpTransportOptions options;
@@ -756,7 +667,9 @@ void sendMixed(Connection& connection, std::vector<Message>& expected) {
   int seed = 0;
   for (size_t size : zeroCopySizes()) {
     std::vector<at::Tensor> tensors = {
-        patterned(100, ++seed), patterned(size, ++seed), patterned(3, ++seed)};
+        patterned(100, ++seed),
+        patterned(size, ++seed),
+        patterned(3, ++seed)};
     Message want = makeMessage("m" + std::to_string(seed));
     for (const at::Tensor& tensor : tensors) {
       want.tensors.push_back(tensor.clone());
