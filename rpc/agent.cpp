@@ -101,27 +101,35 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
   }
 
   void addHook(MessageHook hook) {
-    TORCH_CHECK(!listening_, "hooks must be added before start()");
-    for (const auto& existing : hooks_) {
-      TORCH_CHECK(
-          existing.name != hook.name,
-          "a hook named '",
-          hook.name,
-          "' is already added");
-    }
-    hooks_.push_back(std::move(hook));
+    addUnique(hooks_, std::move(hook), &MessageHook::name, "hook");
   }
 
   void addValueExtension(ValueExtension extension) {
-    TORCH_CHECK(!listening_, "value extensions must be added before start()");
-    for (const auto& existing : extensions_) {
+    addUnique(
+        extensions_,
+        std::move(extension),
+        &ValueExtension::kind,
+        "value extension");
+  }
+
+  // Registration is closed once the agent listens; names must be unique.
+  template <typename T>
+  void addUnique(
+      std::vector<T>& entries,
+      T entry,
+      std::string T::*key,
+      const char* what) {
+    TORCH_CHECK(!listening_, what, "s must be added before start()");
+    for (const auto& existing : entries) {
       TORCH_CHECK(
-          existing.kind != extension.kind,
-          "a value extension of kind '",
-          extension.kind,
+          existing.*key != entry.*key,
+          "a ",
+          what,
+          " named '",
+          entry.*key,
           "' is already added");
     }
-    extensions_.push_back(std::move(extension));
+    entries.push_back(std::move(entry));
   }
 
   // ---- start-up ----------------------------------------------------------

@@ -702,12 +702,7 @@ class TcpConnectionImpl
       } else {
         queue_.push_back(std::move(frame));
         if (!waitingWritable_) {
-          writeErrno = flushLocked(completed);
-          if (writeErrno == EAGAIN || writeErrno == EWOULDBLOCK) {
-            waitingWritable_ = true;
-            mustWait = true;
-            writeErrno = 0;
-          }
+          writeErrno = flushOrAwaitLocked(completed, &mustWait);
         }
       }
     }
@@ -737,6 +732,19 @@ class TcpConnectionImpl
           "connection to " + describe() +
               " failed: write: " + std::strerror(writeErrno)});
     }
+  }
+
+  // flushLocked(), and when the socket is full, marks that the rest waits
+  // for writability (*mustWait: the caller arms the wait once unlocked).
+  // Returns 0 or the errno of a failed write.
+  int flushOrAwaitLocked(std::vector<OutFrame>& completed, bool* mustWait) {
+    int writeErrno = flushLocked(completed);
+    if (writeErrno == EAGAIN || writeErrno == EWOULDBLOCK) {
+      waitingWritable_ = true;
+      *mustWait = true;
+      return 0;
+    }
+    return writeErrno;
   }
 
   // Writes what the socket takes without blocking. Returns 0 when the
@@ -1321,12 +1329,7 @@ class TcpConnectionImpl
       }
       pendingData_.clear();
       if (!waitingWritable_ && !queue_.empty()) {
-        writeErrno = flushLocked(completed);
-        if (writeErrno == EAGAIN || writeErrno == EWOULDBLOCK) {
-          waitingWritable_ = true;
-          mustWait = true;
-          writeErrno = 0;
-        }
+        writeErrno = flushOrAwaitLocked(completed, &mustWait);
       }
     }
     if (mustWait) {
