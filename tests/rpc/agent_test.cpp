@@ -240,6 +240,7 @@ TEST(AgentExtensions, HooksSeeTensorsAttachMetadataAndMayReplaceTensors) {
           }
         };
         rt.agent().addHook(hook);
+        EXPECT_THROW(rt.agent().addHook(hook), c10::Error); // same name
       });
   // The hook sees the caller's own tensor (requires_grad intact), and each
   // receiving side adds 100.
@@ -285,6 +286,7 @@ TEST(AgentExtensions, ValueExtensionsCarryKindsTheCodecDoesNotKnow) {
       nullptr,
       [&](int, rpc::Runtime& rt) {
         rt.agent().addValueExtension(extension());
+        EXPECT_THROW(rt.agent().addValueExtension(extension()), c10::Error);
         rt.functions().add("read", [](c10::IValue v) {
           return c10::static_intrusive_pointer_cast<Blob>(v.toCapsule())->text;
         });
@@ -293,6 +295,8 @@ TEST(AgentExtensions, ValueExtensionsCarryKindsTheCodecDoesNotKnow) {
   EXPECT_EQ(
       cluster[0].rpcSync<std::string>("worker1", "read", blob),
       "hi from 0 with 3");
+  EXPECT_THROW(cluster[0].agent().addValueExtension(extension()), c10::Error)
+      << "registration must close at start()";
   EXPECT_TRUE(cluster.shutdownAll());
 }
 
