@@ -62,7 +62,9 @@ class Connection {
 
   // Queues a message; messages go out in the order send() was called. done
   // always runs exactly once: with nullptr once the message is handed to the
-  // OS (or peer), with an error if it never will be.
+  // OS (or peer), with an error if it never will be. Misuse (a tensor that
+  // is not a contiguous CPU tensor) throws c10::Error instead, and done does
+  // not run; the agent's codec never produces such a message.
   virtual void send(Message&& message, SendCallback done) = 0;
 
   // Fails the connection (onError runs with kWorkerUnavailable if it has not
