@@ -221,18 +221,20 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     }
     uint64_t id = nextMessageId_.fetch_add(1);
     Message message;
+    // Errors raised before the message exists carry message id 0: nothing
+    // was sent (an upper layer may rely on that).
     try {
       message = encodeRequest(*peer, id, request);
     } catch (const RpcError& e) {
       future->setError(
-          makeRpcError(e.code(), peer->name, request.what, id, e.detail()));
+          makeRpcError(e.code(), peer->name, request.what, 0, e.detail()));
       return future;
     } catch (const std::exception& e) {
       future->setError(makeRpcError(
           ErrorCode::kInternal,
           peer->name,
           request.what,
-          id,
+          0,
           e.what()));
       return future;
     }

@@ -148,6 +148,7 @@ class Agent {
   // future with an RpcError (kTimeout, kWorkerUnavailable, kBadArguments for
   // a value that cannot be sent, kTooLarge, kShuttingDown, or whatever the
   // remote handler failed with). The future's value is the response value.
+  // An error whose messageId() is 0 means the request never left.
   c10::intrusive_ptr<c10::ivalue::Future> send(
       const WorkerRef& to,
       OutgoingRequest request);

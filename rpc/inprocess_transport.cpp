@@ -10,7 +10,9 @@
 #include <utility>
 #include <vector>
 
+#include "proto/rpc/envelope.pb.h"
 #include "rpc/detail/receive_buffer_pool.h"
+#include "rpc/detail/value_codec.h"
 
 namespace torchrpc {
 namespace rpc {
@@ -229,7 +231,11 @@ class InProcessConnection
       }
       case FaultAction::Kind::kDeliver:
       case FaultAction::Kind::kDelay:
-        peer->receive(std::move(message), action.delay);
+        peer->receive(std::move(message), action.delay, /*keepOrder=*/true);
+        completeSend(*context_->executor, std::move(done), nullptr);
+        return;
+      case FaultAction::Kind::kDelayOutOfOrder:
+        peer->receive(std::move(message), action.delay, /*keepOrder=*/false);
         completeSend(*context_->executor, std::move(done), nullptr);
         return;
     }
@@ -289,7 +295,10 @@ class InProcessConnection
  private:
   // Called on the sender's thread: checks this side's caps, copies the
   // bytes into this side's buffers and schedules the delivery.
-  void receive(Message&& message, std::chrono::milliseconds delay) {
+  void receive(
+      Message&& message,
+      std::chrono::milliseconds delay,
+      bool keepOrder) {
     const TransportLimits& limits = context_->limits;
     std::string violation;
     size_t total = message.header.size();
@@ -329,8 +338,12 @@ class InProcessConnection
     Clock::time_point due;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      due = std::max(Clock::now() + delay, deliverNotBefore_);
-      deliverNotBefore_ = due;
+      if (keepOrder) {
+        due = std::max(Clock::now() + delay, deliverNotBefore_);
+        deliverNotBefore_ = due;
+      } else {
+        due = Clock::now() + delay;
+      }
     }
     std::weak_ptr<InProcessConnection> weakSelf = weak_from_this();
     postOrDrop(
@@ -596,6 +609,18 @@ void InProcessNetwork::setFaultInjector(FaultInjector injector) {
   }
   std::lock_guard<std::mutex> lock(mutex_);
   faultInjector_ = std::move(shared);
+}
+
+std::optional<MessageSummary> summarizeMessage(const Message& message) {
+  wire::Envelope envelope;
+  if (!detail::parseEnvelope(message.header, &envelope)) {
+    return std::nullopt;
+  }
+  MessageSummary summary;
+  summary.kind = envelope.kind();
+  summary.isResponse = envelope.is_response();
+  summary.id = envelope.id();
+  return summary;
 }
 
 std::string InProcessNetwork::allocateAddress() {

@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "rpc/transport.h"
@@ -31,6 +32,9 @@ struct FaultAction {
     // Deliver after `delay`; later messages on the same connection wait
     // behind it, as on a slow link (order is kept).
     kDelay,
+    // Deliver after `delay` without holding back later messages, which may
+    // overtake it (as if it had travelled on another connection).
+    kDelayOutOfOrder,
     // Do not deliver; fail the connection on both sides with
     // kWorkerUnavailable. The sender's done callback gets that error.
     kFailConnection,
@@ -48,10 +52,23 @@ struct FaultAction {
   static FaultAction delayBy(std::chrono::milliseconds delay) {
     return FaultAction{Kind::kDelay, delay};
   }
+  static FaultAction delayOutOfOrder(std::chrono::milliseconds delay) {
+    return FaultAction{Kind::kDelayOutOfOrder, delay};
+  }
   static FaultAction failConnection() {
     return FaultAction{Kind::kFailConnection, std::chrono::milliseconds(0)};
   }
 };
+
+// What a fault injector may want to know of a message the agent sent: its
+// message kind, whether it is a response, and its id. nullopt for a header
+// that is not an envelope.
+struct MessageSummary {
+  uint32_t kind = 0;
+  bool isResponse = false;
+  uint64_t id = 0;
+};
+std::optional<MessageSummary> summarizeMessage(const Message& message);
 
 // The "wire" that InProcessTransports of one job share: it allocates their
 // addresses ("inproc://N") and routes connect() to listeners. Create one per

@@ -127,6 +127,41 @@ void Runtime::registerCallHandler() {
           options_.allowBuiltinOperators));
 }
 
+void Runtime::addLayer(std::shared_ptr<RuntimeLayer> layer) {
+  std::lock_guard<std::mutex> guard(lifecycleMutex_);
+  TORCH_CHECK(layer, "addLayer() needs a layer");
+  TORCH_CHECK(
+      state_ == State::kCreated,
+      "layer '",
+      layer->name(),
+      "' must be added before start()");
+  for (const auto& existing : layers_) {
+    TORCH_CHECK(
+        existing->name() != layer->name(),
+        "a layer named '",
+        layer->name(),
+        "' is already added");
+  }
+  layers_.push_back(std::move(layer));
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> Runtime::invokeLocal(
+    const std::string& function,
+    std::vector<c10::IValue> args) {
+  try {
+    return detail::invokeFunction(
+        functions_,
+        self_.name,
+        options_.allowBuiltinOperators,
+        function,
+        std::move(args));
+  } catch (...) {
+    auto future = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+    future->setError(std::current_exception());
+    return future;
+  }
+}
+
 void Runtime::start() {
   std::lock_guard<std::mutex> guard(lifecycleMutex_);
   TORCH_CHECK(
@@ -150,8 +185,7 @@ void Runtime::start() {
         std::move(layout.addresses),
         std::move(layout.peerMapsTowardsUs));
   } catch (...) {
-    agent_->close(ErrorCode::kShuttingDown);
-    agent_->join();
+    closeAgentAndLayers();
     state_ = State::kShutDown;
     throw;
   }
@@ -173,8 +207,7 @@ bool Runtime::shutdown(bool graceful) {
     return true;
   }
   if (state_ == State::kCreated) {
-    agent_->close(ErrorCode::kShuttingDown);
-    agent_->join();
+    closeAgentAndLayers();
     state_ = State::kShutDown;
     return true;
   }
@@ -185,12 +218,18 @@ bool Runtime::shutdown(bool graceful) {
     // 2. Barrier "drained": every worker reached 1. A handler here can only
     //    be running for a peer's call that is still pending, so once all
     //    arrived no call is in flight anywhere.
-    // 3. Refuse new calls, barrier "closing", then leave: rank 0 may host
+    // 3. Each layer gives back what this worker holds elsewhere (user
+    //    RRefs); barrier "released": every layer's messages were answered.
+    // 4. Refuse new calls, barrier "closing", then leave: rank 0 may host
     //    the store and must not go before the others are done with it.
     auto deadline = Clock::now() + options_.shutdownTimeout;
     auto& rendezvous = *store_->rendezvous;
     clean = agent_->waitForNoPendingCalls(deadline) &&
         rendezvous.barrier("shutdown/drained", deadline);
+    for (const auto& layer : layers_) {
+      clean = clean && layer->release(deadline);
+    }
+    clean = clean && rendezvous.barrier("shutdown/released", deadline);
     agent_->refuseNewCalls();
     clean = clean && agent_->waitForNoPendingCalls(deadline) &&
         rendezvous.barrier("shutdown/closing", deadline) &&
@@ -202,11 +241,18 @@ bool Runtime::shutdown(bool graceful) {
                    << " ms; shutting down immediately";
     }
   }
-  agent_->close(ErrorCode::kShuttingDown);
-  agent_->join();
+  closeAgentAndLayers();
   store_.reset();
   state_ = State::kShutDown;
   return clean;
+}
+
+void Runtime::closeAgentAndLayers() {
+  agent_->close(ErrorCode::kShuttingDown);
+  agent_->join();
+  for (const auto& layer : layers_) {
+    layer->closed();
+  }
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> Caller::send(

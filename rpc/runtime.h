@@ -15,6 +15,7 @@
 #include "rpc/function_registry.h"
 #include "rpc/future.h"
 #include "rpc/options.h"
+#include "rpc/runtime_layer.h"
 #include "rpc/value_types.h"
 #include "rpc/worker_info.h"
 
@@ -92,7 +93,7 @@ class Caller {
 class Runtime {
  public:
   Runtime(std::string name, Options options);
-  ~Runtime();
+  virtual ~Runtime();
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
 
@@ -107,6 +108,29 @@ class Runtime {
   Agent& agent() {
     return *agent_;
   }
+
+  // Adds an upper layer's state (before start()); the runtime owns it and
+  // tells it about shutdown. Throws c10::Error after start() or for a second
+  // layer of the same name.
+  void addLayer(std::shared_ptr<RuntimeLayer> layer);
+  // The added layer of type L, or nullptr.
+  template <typename L>
+  std::shared_ptr<L> findLayer() const {
+    for (const auto& layer : layers_) {
+      if (auto typed = std::dynamic_pointer_cast<L>(layer)) {
+        return typed;
+      }
+    }
+    return nullptr;
+  }
+
+  // Runs a registered function (or, if allowed, a builtin operator) here,
+  // as a call from a peer would: never throws; the future completes with
+  // the result or an RpcError (kUnknownFunction, kBadArguments,
+  // kRemoteException naming this worker and the function).
+  c10::intrusive_ptr<c10::ivalue::Future> invokeLocal(
+      const std::string& function,
+      std::vector<c10::IValue> args);
 
   // Listens, then meets every worker through the store. Blocks until all
   // have arrived; throws c10::Error on an invalid or duplicate name, a bad
@@ -166,11 +190,13 @@ class Runtime {
   enum class State { kCreated, kRunning, kShutDown };
 
   void registerCallHandler();
+  void closeAgentAndLayers();
 
   const WorkerInfo self_;
   const Options options_;
   FunctionRegistry functions_;
   std::unique_ptr<Agent> agent_;
+  std::vector<std::shared_ptr<RuntimeLayer>> layers_;
   std::shared_ptr<struct RuntimeStore> store_;
   std::mutex lifecycleMutex_;
   std::atomic<State> state_{State::kCreated};
@@ -178,12 +204,13 @@ class Runtime {
 
 } // namespace rpc
 
-// The names most programs use, at the top level.
+// The names most programs use, at the top level. torchrpc::Runtime, the
+// worker with every layer, is in torchrpc.h.
 using rpc::ErrorCode;
 using rpc::Future;
 using rpc::Options;
 using rpc::RpcError;
-using rpc::Runtime;
 using rpc::WorkerInfo;
+using rpc::WorkerRef;
 
 } // namespace torchrpc

@@ -83,11 +83,23 @@ struct ValueTraits<T, std::enable_if_t<std::is_floating_point<T>::value>> {
   }
 };
 
+// An upper layer's value type (an RRef) converts itself by giving its
+// ValueTraits a static toIValue(const T&).
+template <typename T, typename = void>
+struct HasToIValue : std::false_type {};
+template <typename T>
+struct HasToIValue<
+    T,
+    std::void_t<decltype(ValueTraits<T>::toIValue(std::declval<const T&>()))>>
+    : std::true_type {};
+
 // Converts an argument or a result to an IValue.
 template <typename T>
 c10::IValue toIValue(T&& value) {
   using D = std::decay_t<T>;
-  if constexpr (std::is_same<D, c10::IValue>::value) {
+  if constexpr (HasToIValue<D>::value) {
+    return ValueTraits<D>::toIValue(value);
+  } else if constexpr (std::is_same<D, c10::IValue>::value) {
     return std::forward<T>(value);
   } else if constexpr (std::is_same<D, bool>::value) {
     return c10::IValue(static_cast<bool>(value));

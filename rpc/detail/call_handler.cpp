@@ -43,43 +43,56 @@ c10::intrusive_ptr<c10::ivalue::Future> asRemoteException(
 
 } // namespace
 
+c10::intrusive_ptr<c10::ivalue::Future> invokeFunction(
+    const FunctionRegistry& functions,
+    const std::string& selfName,
+    bool allowBuiltinOperators,
+    const std::string& name,
+    std::vector<c10::IValue>&& args) {
+  if (auto function = functions.find(name)) {
+    // Throws RpcError(kBadArguments) before running anything.
+    auto result = function->invoke(std::move(args));
+    return asRemoteException(std::move(result), selfName, name);
+  }
+  if (allowBuiltinOperators && isOperatorName(name)) {
+    try {
+      auto value = invokeBuiltinOperator(name, std::move(args));
+      auto future =
+          c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+      future->markCompleted(std::move(value));
+      return future;
+    } catch (const RpcError&) {
+      throw;
+    } catch (...) {
+      return failedFuture(makeRpcError(
+          ErrorCode::kRemoteException,
+          selfName,
+          name,
+          0,
+          describeException(std::current_exception())));
+    }
+  }
+  throw RpcError(
+      ErrorCode::kUnknownFunction,
+      selfName,
+      name,
+      0,
+      isOperatorName(name) && !allowBuiltinOperators
+          ? "builtin operators are disabled on this worker"
+          : "no function named '" + name + "' is registered");
+}
+
 RequestHandler makeCallHandler(
     const FunctionRegistry& functions,
     std::string selfName,
     bool allowBuiltinOperators) {
   return [&functions, selfName, allowBuiltinOperators](Request&& request) {
-    const std::string& name = request.body;
-    if (auto function = functions.find(name)) {
-      // Throws RpcError(kBadArguments) before running anything.
-      auto result = function->invoke(std::move(request.values));
-      return asRemoteException(std::move(result), selfName, name);
-    }
-    if (allowBuiltinOperators && isOperatorName(name)) {
-      try {
-        auto value = invokeBuiltinOperator(name, std::move(request.values));
-        auto future =
-            c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
-        future->markCompleted(std::move(value));
-        return future;
-      } catch (const RpcError&) {
-        throw;
-      } catch (...) {
-        return failedFuture(makeRpcError(
-            ErrorCode::kRemoteException,
-            selfName,
-            name,
-            0,
-            describeException(std::current_exception())));
-      }
-    }
-    throw RpcError(
-        ErrorCode::kUnknownFunction,
+    return invokeFunction(
+        functions,
         selfName,
-        name,
-        0,
-        isOperatorName(name) && !allowBuiltinOperators
-            ? "builtin operators are disabled on this worker"
-            : "no function named '" + name + "' is registered");
+        allowBuiltinOperators,
+        request.body,
+        std::move(request.values));
   };
 }
 

@@ -7,11 +7,20 @@ namespace torchrpc {
 namespace rpc {
 namespace detail {
 
-// The handler of kCallMessageKind: runs the registered function named by the
-// request body, or else a dispatcher operator (if allowed). Raises
-// kUnknownFunction and kBadArguments itself; whatever the function throws, or
-// the error of the future it returns, becomes kRemoteException carrying the
-// cause's text.
+// Runs the registered function `name`, or else a dispatcher operator (if
+// allowed), on this worker. Throws RpcError kUnknownFunction or
+// kBadArguments before running anything; whatever the function throws, or
+// the error of the future it returns, completes the returned future with
+// kRemoteException carrying the cause's text.
+c10::intrusive_ptr<c10::ivalue::Future> invokeFunction(
+    const FunctionRegistry& functions,
+    const std::string& selfName,
+    bool allowBuiltinOperators,
+    const std::string& name,
+    std::vector<c10::IValue>&& args);
+
+// The handler of kCallMessageKind: invokeFunction() with the function named
+// by the request body.
 RequestHandler makeCallHandler(
     const FunctionRegistry& functions,
     std::string selfName,

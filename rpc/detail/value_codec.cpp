@@ -175,6 +175,13 @@ void encodeType(const c10::Type& type, wire::TypeDesc* out, int depth) {
           out->add_args(),
           depth + 1);
       return;
+    case c10::TypeKind::RRefType:
+      out->set_kind(wire::TypeDesc::RREF);
+      encodeType(
+          *type.expectRef<c10::RRefType>().getElementType(),
+          out->add_args(),
+          depth + 1);
+      return;
     case c10::TypeKind::TupleType: {
       out->set_kind(wire::TypeDesc::TUPLE);
       const auto& elements = type.expectRef<c10::TupleType>().elements();
@@ -268,6 +275,9 @@ c10::TypePtr decodeType(const wire::TypeDesc& desc, int depth) {
     case wire::TypeDesc::LIST:
       expectArgs(desc, 1);
       return c10::ListType::create(decodeType(desc.args(0), depth + 1));
+    case wire::TypeDesc::RREF:
+      expectArgs(desc, 1);
+      return c10::RRefType::create(decodeType(desc.args(0), depth + 1));
     case wire::TypeDesc::TUPLE: {
       std::vector<c10::TypePtr> elements;
       elements.reserve(desc.args_size());

@@ -1,0 +1,37 @@
+#pragma once
+
+#include <chrono>
+#include <string>
+
+namespace torchrpc {
+namespace rpc {
+
+// An upper layer's state on one worker (the RRef context, the autograd
+// container). The Runtime owns it, so it lives and dies with the worker, and
+// tells it about shutdown; rpc/ knows nothing else of it. A layer registers
+// its message kinds, hooks and value extensions on the agent when it is
+// added (before start()).
+class RuntimeLayer {
+ public:
+  virtual ~RuntimeLayer() = default;
+
+  // Names the layer in logs.
+  virtual std::string name() const = 0;
+
+  // Graceful shutdown, once every worker has finished its own calls: give
+  // back whatever this worker holds on other workers (e.g. user RRefs) and
+  // return when the peers have acknowledged it, or at the deadline. Runs on
+  // the thread calling shutdown(); the agent still serves peers meanwhile.
+  // Returns whether everything was given back in time.
+  virtual bool release(std::chrono::steady_clock::time_point deadline) {
+    return true;
+  }
+
+  // After the agent has closed and joined (on both shutdown paths): drop
+  // every table. The layer must not use the agent from now on; the agent
+  // object itself stays valid until the Runtime is destroyed.
+  virtual void closed() {}
+};
+
+} // namespace rpc
+} // namespace torchrpc
