@@ -8,6 +8,10 @@
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include <memory>
+#include <string>
+#include <utility>
+
 #include "rpc/errors.h"
 #include "rpc/function_registry.h"
 #include "rpc/future.h"
@@ -15,3 +19,43 @@
 #include "rpc/options.h"
 #include "rpc/runtime.h"
 #include "rpc/worker_info.h"
+#include "rref/rref.h"
+#include "rref/rref_context.h"
+
+namespace torchrpc {
+
+using rref::RRef;
+
+// One worker with every layer: the rpc/ runtime plus the RRef layer. This is
+// what programs construct; rpc::Runtime alone is the bare RPC core.
+class Runtime : public rpc::Runtime {
+ public:
+  Runtime(std::string name, Options options)
+      : rpc::Runtime(std::move(name), std::move(options)),
+        rrefs_(rref::RRefContext::install(*this)) {}
+
+  // Runs `function` on `to`, which owns the result; see rref::remote().
+  template <typename T, typename... Args>
+  RRef<T> remote(
+      const WorkerRef& to,
+      const std::string& function,
+      Args&&... args) {
+    return rref::remote<T>(*this, to, function, std::forward<Args>(args)...);
+  }
+
+  // An RRef of a value of this worker, which owns it.
+  template <typename T>
+  RRef<T> makeRRef(T value) {
+    return RRef<T>::local(*this, std::move(value));
+  }
+
+  // The RRef tables of this worker (counters for tests and metrics).
+  rref::RRefContext& rrefs() {
+    return *rrefs_;
+  }
+
+ private:
+  std::shared_ptr<rref::RRefContext> rrefs_;
+};
+
+} // namespace torchrpc

@@ -1,0 +1,63 @@
+#pragma once
+
+// Private: what the RRef context keeps per RRef it owns and per fork it
+// holds. See Note [RRef fork protocol] in rref/rref_context.h.
+
+#include <ATen/core/ivalue.h>
+
+#include <atomic>
+#include <cstdint>
+#include <unordered_set>
+
+#include "rref/rref_id.h"
+
+namespace torchrpc {
+namespace rref {
+namespace detail {
+
+// An RRef this worker owns. Local handles hold it (and so the value); the
+// context's owner table holds it while forks refer to it (R5).
+struct OwnerRecord {
+  explicit OwnerRecord(RRefId id)
+      : id(id),
+        value(c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get())) {}
+
+  const RRefId id;
+  // Completes with the value, or with the error that creating it raised.
+  const c10::intrusive_ptr<c10::ivalue::Future> value;
+
+  // Guarded by the context's mutex.
+  std::unordered_set<ForkId, GlobalIdHash> forks;
+  // Creation has started (a kRemote arrived, or the value is local).
+  bool creating = false;
+  bool inTable = false;
+};
+
+// A fork this worker holds as a user.
+struct UserFork {
+  UserFork(RRefId rref, ForkId fork, int64_t owner)
+      : rref(rref),
+        fork(fork),
+        owner(owner) {}
+
+  const RRefId rref;
+  const ForkId fork;
+  // -1 when remote() named a worker that does not exist.
+  const int64_t owner;
+  // Only on the creator: completes when the owner answered kRemote; its
+  // error is the creation error (G4). Set before the fork is shared.
+  c10::intrusive_ptr<c10::ivalue::Future> creation;
+  std::atomic<bool> confirmed{false};
+
+  // Guarded by the context's mutex.
+  bool handleAlive = true;
+  size_t pendingChildren = 0;
+  bool deleting = false;
+  // The owner never heard of this fork (its kRemote was never sent): there
+  // is nothing to delete there.
+  bool unknownToOwner = false;
+};
+
+} // namespace detail
+} // namespace rref
+} // namespace torchrpc
