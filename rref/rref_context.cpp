@@ -299,6 +299,7 @@ c10::intrusive_ptr<RRefHandle> RRefContext::remote(
         0,
         "no such worker in this job"));
     fork->confirmed = true;
+    fork->failed = true;
     fork->unknownToOwner = true;
     return c10::make_intrusive<RRefHandle>(
         weak_from_this(),
@@ -440,8 +441,18 @@ FuturePtr preferCreationError(
   if (!fork->creation || fork->creation->completed()) {
     return reply;
   }
+  // Whichever settles first: the creation failing, or the reply.
   auto out = newFuture();
-  reply->addCallback([fork, out](c10::ivalue::Future& done) {
+  auto settled = std::make_shared<std::atomic<bool>>(false);
+  fork->creation->addCallback([out, settled](c10::ivalue::Future& creation) {
+    if (creation.hasError() && !settled->exchange(true)) {
+      out->setError(creation.exception_ptr());
+    }
+  });
+  reply->addCallback([fork, out, settled](c10::ivalue::Future& done) {
+    if (settled->exchange(true)) {
+      return;
+    }
     if (auto error = creationError(*fork)) {
       out->setError(error);
     } else {
@@ -992,6 +1003,7 @@ void RRefContext::forkConfirmed(
   {
     std::lock_guard<std::mutex> guard(mutex_);
     fork->unknownToOwner = fork->unknownToOwner || neverSent;
+    fork->failed = error != nullptr;
     if (!fork->confirmed.exchange(true) && userForks_.count(fork->fork)) {
       --pendingConfirmations_;
     }

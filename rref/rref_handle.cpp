@@ -58,7 +58,7 @@ bool RRefHandle::isOwner() const {
 }
 
 bool RRefHandle::confirmedByOwner() const {
-  return record_ != nullptr || fork_->confirmed.load();
+  return record_ != nullptr || (fork_->confirmed && !fork_->failed);
 }
 
 const c10::TypePtr RRefHandle::type() const {

@@ -47,7 +47,10 @@ struct UserFork {
   // Only on the creator: completes when the owner answered kRemote; its
   // error is the creation error (G4). Set before the fork is shared.
   c10::intrusive_ptr<c10::ivalue::Future> creation;
+  // The owner answered: it registered the fork, or the creation or
+  // registration failed (then `failed`). R4 waits for this.
   std::atomic<bool> confirmed{false};
+  std::atomic<bool> failed{false};
 
   // Guarded by the context's mutex.
   bool handleAlive = true;
