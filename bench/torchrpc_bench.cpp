@@ -24,16 +24,23 @@
 #include <functional>
 #include <iostream>
 #include <sstream>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
-#include "rpc/runtime.h"
+// NB: rref/detail/records.h is private to rref/; the bench reads a fork's
+// creation future from it to mirror PyTorch's rref._get_future().wait(),
+// which RRef<T> does not offer publicly.
+#include "rref/detail/records.h"
+#include "torchrpc.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using torchrpc::RRef;
+using torchrpc::Runtime; // with the RRef layer installed
 using torchrpc::rpc::Options;
-using torchrpc::rpc::Runtime;
 
 struct Settings {
   std::string workload;
@@ -176,6 +183,89 @@ double bandwidth(Runtime& rt, size_t bytes, bool quick) {
   return bytes / (median(times) * 1e3);
 }
 
+double remoteToHereRtt(Runtime& rt, bool quick) {
+  auto x = at::ones({1});
+  int warmup = quick ? 50 : 200;
+  int timed = quick ? 500 : 2000;
+  for (int i = 0; i < warmup; ++i) {
+    rt.remote<at::Tensor>("worker1", "add_one", x).toHere();
+  }
+  std::vector<double> times;
+  times.reserve(timed);
+  for (int i = 0; i < timed; ++i) {
+    auto start = Clock::now();
+    RRef<at::Tensor> rref = rt.remote<at::Tensor>("worker1", "add_one", x);
+    rref.toHere();
+    times.push_back(microsSince(start));
+    // Dropped here, after the clock stopped: its deletion overlaps the next
+    // iterations, as on the PyTorch side.
+  }
+  return median(times);
+}
+
+// Polls until every RRef of the run is fully deleted: worker0 holds no fork
+// (each deletion was acknowledged) and worker1 owns no RRef. Returns the
+// number of polls.
+int waitRRefsGone(Runtime& rt) {
+  auto deadline = Clock::now() + std::chrono::seconds(20);
+  for (int polls = 1;; ++polls) {
+    size_t users = rt.rrefs().counters().userRRefs;
+    int64_t owned = -1;
+    if (users == 0) {
+      owned = rt.rpcSync<int64_t>("worker1", "owner_rref_count");
+      if (owned == 0) {
+        return polls;
+      }
+    }
+    if (Clock::now() > deadline) {
+      throw std::runtime_error(
+          "RRefs not deleted after 20 s: worker0 holds " +
+          std::to_string(users) + " forks, worker1 owns " +
+          (owned < 0 ? std::string("?") : std::to_string(owned)));
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+  }
+}
+
+// Batches of 64: create, wait until the owner has acknowledged every
+// creation, drop them all; then wait until all are deleted. Returns the
+// seconds taken.
+double rrefChurn(Runtime& rt, int total, int* polls) {
+  auto x = at::ones({1});
+  std::vector<RRef<at::Tensor>> batch;
+  batch.reserve(64);
+  auto start = Clock::now();
+  for (int done = 0; done < total;) {
+    int k = std::min(64, total - done);
+    for (int i = 0; i < k; ++i) {
+      batch.push_back(rt.remote<at::Tensor>("worker1", "add_one", x));
+    }
+    for (const auto& rref : batch) {
+      // Like PyTorch's rref._get_future().wait(): the owner has run add_one
+      // and answered the creation.
+      const auto& creation = rref.handle().fork()->creation;
+      creation->wait();
+      if (creation->hasError()) {
+        std::rethrow_exception(creation->exception_ptr());
+      }
+    }
+    batch.clear(); // each user fork sends its deletion
+    done += k;
+  }
+  *polls = waitRRefsGone(rt);
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+double rrefsPerSecond(Runtime& rt, bool quick) {
+  int polls = 0;
+  rrefChurn(rt, quick ? 128 : 640, &polls);
+  int total = quick ? 1280 : 6400;
+  double seconds = rrefChurn(rt, total, &polls);
+  std::cerr << total << " RRefs created+deleted in " << seconds << " s ("
+            << polls << " polls at end)\n";
+  return total / seconds;
+}
+
 // ---- processes
 // ---------------------------------------------------------------
 
@@ -225,6 +315,10 @@ int runWorker(
   Runtime rt("worker" + std::to_string(rank), workerOptions(rank, s, store));
   rt.functions().add("add_one", [](at::Tensor x) { return x + 1; });
   rt.functions().add("sink", [](at::Tensor) { return at::zeros({1}); });
+  // rref_create_delete_per_s: RRefs worker1 owns (and forks still use).
+  rt.functions().add("owner_rref_count", [&rt]() {
+    return static_cast<int64_t>(rt.rrefs().counters().ownerRRefs);
+  });
   rt.start();
   if (s.workload == "idle_cpu_cores") {
     if (rank == 0) {
@@ -244,6 +338,10 @@ int runWorker(
       value = bandwidth(rt, size_t(4) << 20, s.quick);
     } else if (s.workload == "bandwidth_64MiB") {
       value = bandwidth(rt, size_t(64) << 20, s.quick);
+    } else if (s.workload == "remote_to_here_rtt") {
+      value = remoteToHereRtt(rt, s.quick);
+    } else if (s.workload == "rref_create_delete_per_s") {
+      value = rrefsPerSecond(rt, s.quick);
     }
     writeAll(resultFd, &value, sizeof(value));
   }
@@ -260,6 +358,8 @@ int main(int argc, char** argv) {
       {"bandwidth_4MiB", {"bandwidth", "GB/s", "higher"}},
       {"bandwidth_64MiB", {"bandwidth", "GB/s", "higher"}},
       {"idle_cpu_cores", {"idle_cpu", "cores", "lower"}},
+      {"remote_to_here_rtt", {"median_rtt", "us", "lower"}},
+      {"rref_create_delete_per_s", {"rate", "rrefs/s", "higher"}},
   };
   auto known =
       std::find_if(kWorkloads.begin(), kWorkloads.end(), [&](const auto& w) {
