@@ -100,6 +100,16 @@ class RRef {
     return handle().confirmedByOwner();
   }
 
+  // Completes once confirmedByOwner() holds; on the creator that is once
+  // the value exists, and it fails with the creation error if that failed.
+  rpc::Future<void> confirmedAsync() const {
+    auto context = detail::contextOf(handle());
+    if (!context) {
+      return typed<void>(detail::runtimeGoneFuture(handle(), "RRef.confirm"));
+    }
+    return typed<void>(context->confirmation(handle()), "RRef.confirm");
+  }
+
   // A copy of the value, on any worker (on the owner too). A zero timeout
   // means the runtime's default.
   rpc::Future<T> toHereAsync(

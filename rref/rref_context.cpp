@@ -292,7 +292,8 @@ c10::intrusive_ptr<RRefHandle> RRefContext::remote(
   } catch (const c10::Error&) {
     // Fails like a call to an unknown worker: as the RRef's creation error.
     auto fork = std::make_shared<UserFork>(id, mintId(), -1);
-    fork->creation = failedFuture(rpc::makeRpcError(
+    fork->creation = fork->confirmation;
+    fork->creation->setError(rpc::makeRpcError(
         ErrorCode::kWorkerUnavailable,
         to.describe(),
         function,
@@ -344,7 +345,7 @@ c10::intrusive_ptr<RRefHandle> RRefContext::remote(
   {
     std::lock_guard<std::mutex> guard(mutex_);
     fork = addUserForkLocked(id, mintId(), target->id, /*confirmed=*/false);
-    fork->creation = newFuture();
+    fork->creation = fork->confirmation;
   }
   wire::RemoteRequest message;
   toWire(id, message.mutable_rref());
@@ -383,9 +384,9 @@ c10::intrusive_ptr<RRefHandle> RRefContext::remote(
         if (auto self = weak.lock()) {
           self->forkConfirmed(fork, error, neverSent);
         } else if (error) {
-          fork->creation->setError(error);
+          fork->confirmation->setError(error);
         } else {
-          fork->creation->markCompleted(c10::IValue());
+          fork->confirmation->markCompleted(c10::IValue());
         }
       });
   return c10::make_intrusive<RRefHandle>(
@@ -549,6 +550,11 @@ FuturePtr RRefContext::callOn(
               function,
               timeout)),
       retain(handle));
+}
+
+FuturePtr RRefContext::confirmation(const RRefHandle& handle) {
+  return handle.isOwner() ? handle.record()->value
+                          : handle.fork()->confirmation;
 }
 
 c10::IValue RRefContext::localValue(const RRefHandle& handle) {
@@ -910,20 +916,25 @@ FuturePtr RRefContext::onChildAccepted(rpc::Request&& request) {
 
 FuturePtr RRefContext::onDeleteFork(rpc::Request&& request) {
   WireReader reader(request, static_cast<int64_t>(agent_.workers().size()));
-  auto message = reader.parse<wire::DeleteFork>();
-  RRefId rref = reader.id(message.rref());
-  ForkId fork = reader.id(message.fork());
+  auto message = reader.parse<wire::DeleteForks>();
+  std::vector<std::pair<RRefId, ForkId>> forks;
+  forks.reserve(message.forks_size());
+  for (const auto& entry : message.forks()) {
+    forks.emplace_back(reader.id(entry.rref()), reader.id(entry.fork()));
+  }
   std::vector<std::shared_ptr<OwnerRecord>> dropped;
   {
     std::lock_guard<std::mutex> guard(mutex_);
-    auto it = owned_.find(rref);
-    if (it == owned_.end() || it->second->forks.erase(fork) == 0) {
-      addTombstoneLocked(rref, fork); // R6
-    } else {
-      maybeDropRecordLocked(it->second, &dropped);
+    for (const auto& [rref, fork] : forks) {
+      auto it = owned_.find(rref);
+      if (it == owned_.end() || it->second->forks.erase(fork) == 0) {
+        addTombstoneLocked(rref, fork); // R6
+      } else {
+        maybeDropRecordLocked(it->second, &dropped);
+      }
     }
   }
-  // `dropped` (and maybe the value) is freed here, outside the lock.
+  // `dropped` (and maybe values) are freed here, outside the lock.
   return readyFuture();
 }
 
@@ -989,7 +1000,10 @@ std::shared_ptr<UserFork> RRefContext::addUserForkLocked(
     bool confirmed) {
   auto userFork = std::make_shared<UserFork>(rref, fork, owner);
   userFork->confirmed = confirmed;
-  if (!confirmed) {
+  if (confirmed) {
+    // Nothing can wait on it yet, so completing it runs no callback here.
+    userFork->confirmation->markCompleted(c10::IValue());
+  } else {
     ++pendingConfirmations_;
   }
   userForks_.emplace(fork, userFork);
@@ -1008,16 +1022,15 @@ void RRefContext::forkConfirmed(
       --pendingConfirmations_;
     }
   }
-  if (fork->creation) {
-    if (error) {
-      fork->creation->setError(error);
-    } else {
-      fork->creation->markCompleted(c10::IValue());
-    }
-  } else if (error) {
+  if (!fork->creation && error) {
     LOG(WARNING) << self_.name << ": the owner did not register fork "
                  << fork->fork.toString() << " of " << describe(fork->rref)
                  << ": " << rpc::describeException(error);
+  }
+  if (error) {
+    fork->confirmation->setError(error);
+  } else {
+    fork->confirmation->markCompleted(c10::IValue());
   }
   maybeDeleteFork(fork);
 }
@@ -1075,28 +1088,65 @@ void RRefContext::maybeDeleteFork(const std::shared_ptr<UserFork>& fork) {
 }
 
 void RRefContext::sendDelete(const std::shared_ptr<UserFork>& fork) {
-  wire::DeleteFork message;
-  toWire(fork->rref, message.mutable_rref());
-  toWire(fork->fork, message.mutable_fork());
+  std::vector<std::shared_ptr<UserFork>> batch;
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    auto& queue = deletions_[fork->owner];
+    if (queue.inFlight) {
+      queue.queued.push_back(fork);
+      return;
+    }
+    queue.inFlight = true;
+  }
+  batch.push_back(fork);
+  sendDeleteBatch(fork->owner, std::move(batch));
+}
+
+void RRefContext::sendDeleteBatch(
+    int64_t owner,
+    std::vector<std::shared_ptr<UserFork>> batch) {
+  wire::DeleteForks message;
+  message.mutable_forks()->Reserve(static_cast<int>(batch.size()));
+  for (const auto& fork : batch) {
+    auto* entry = message.add_forks();
+    toWire(fork->rref, entry->mutable_rref());
+    toWire(fork->fork, entry->mutable_fork());
+  }
   auto reply = send(
-      fork->owner,
+      owner,
       kDeleteForkKind,
       serialize(message),
       {},
       "rref.deleteFork",
       defaultTimeout());
   std::weak_ptr<RRefContext> weak = weak_from_this();
-  reply->addCallback([weak, fork](c10::ivalue::Future& done) {
+  reply->addCallback([weak, owner, batch = std::move(batch)](
+                         c10::ivalue::Future& done) {
     auto self = weak.lock();
     if (!self) {
       return;
     }
     if (done.hasError()) {
-      VLOG(1) << self->self_.name << ": deleting fork " << fork->fork.toString()
-              << " of " << describe(fork->rref)
+      VLOG(1) << self->self_.name << ": deleting " << batch.size()
+              << " forks on worker " << owner
               << " failed: " << rpc::describeException(done.exception_ptr());
     }
-    self->eraseUserFork(fork->fork);
+    for (const auto& fork : batch) {
+      self->eraseUserFork(fork->fork);
+    }
+    // The deletions queued meanwhile go as one message.
+    std::vector<std::shared_ptr<UserFork>> next;
+    {
+      std::lock_guard<std::mutex> guard(self->mutex_);
+      auto& queue = self->deletions_[owner];
+      size_t count = std::min(queue.queued.size(), kMaxForksPerDeletion);
+      next.assign(queue.queued.begin(), queue.queued.begin() + count);
+      queue.queued.erase(queue.queued.begin(), queue.queued.begin() + count);
+      queue.inFlight = !next.empty();
+    }
+    if (!next.empty()) {
+      self->sendDeleteBatch(owner, std::move(next));
+    }
   });
 }
 
@@ -1157,6 +1207,7 @@ void RRefContext::closed() {
     owned.swap(owned_);
     userForks.swap(userForks_);
     pendingChildren.swap(pendingChildren_);
+    deletions_.clear();
     tombstones_.clear();
     pendingConfirmations_ = 0;
   }

@@ -47,7 +47,8 @@ constexpr uint32_t kDeleteForkKind = 21;
 // creator's fork; answered once the value exists or failed), kCallOn and
 // kFetch (run a function on the value, copy it), kForkNotify (a user ->
 // owner: "I hold fork f, sent to me by P"), kChildAccepted (owner -> P: "f
-// is registered"), kDeleteFork (user -> owner: "I no longer hold f").
+// is registered"), kDeleteFork (user -> owner: "I no longer hold f"; one in
+// flight per owner, the ones that wait meanwhile go together).
 //
 // Rules:
 //  R1. Sending a reference mints a new fork f. An owner adds f to its set
@@ -70,9 +71,10 @@ constexpr uint32_t kDeleteForkKind = 21;
 //      kFetch wait for the value); a kDeleteFork for a fork the owner does
 //      not know leaves a tombstone, and the late kRemote that finds it does
 //      not run (the creator gave up on it after a timeout).
-//  R7. Every message a step causes is sent before the message that caused
-//      it is answered, so until the protocol has settled some worker has a
-//      call in flight (graceful shutdown waits on that).
+//  R7. Every message a step causes is sent (or queued behind a deletion in
+//      flight to the same owner) before the message that caused it is
+//      answered, so until the protocol has settled some worker has a call in
+//      flight.
 //
 // Guarantees:
 //  G1. No early free: while a reference is held or in flight anywhere, its
@@ -126,6 +128,7 @@ class RRefContext : public rpc::RuntimeLayer,
                     public std::enable_shared_from_this<RRefContext> {
  public:
   static constexpr size_t kMaxTombstones = 1 << 16;
+  static constexpr size_t kMaxForksPerDeletion = 4096;
 
   // Adds the layer to `runtime` (before start()) and returns it.
   static std::shared_ptr<RRefContext> install(rpc::Runtime& runtime);
@@ -169,6 +172,12 @@ class RRefContext : public rpc::RuntimeLayer,
       const std::string& function,
       std::vector<c10::IValue> args,
       std::chrono::milliseconds timeout);
+
+  // Completes when the owner has confirmed the reference: on the creator,
+  // once the value exists (with the creation error if it failed); on the
+  // owner, once the value is set. Never throws.
+  c10::intrusive_ptr<c10::ivalue::Future> confirmation(
+      const detail::RRefHandle& handle);
 
   // The value itself, on the owner (waits for its creation). Throws
   // c10::Error on a user, the creation error if it failed.
@@ -254,7 +263,13 @@ class RRefContext : public rpc::RuntimeLayer,
   void childAccepted(const ForkId& child);
   // Sends kDeleteFork if R4 allows it now. Without the lock.
   void maybeDeleteFork(const std::shared_ptr<detail::UserFork>& fork);
+  // One kDeleteFork in flight per owner; deletions that come meanwhile wait
+  // and go together when it is answered (R7 holds: the one in flight covers
+  // them).
   void sendDelete(const std::shared_ptr<detail::UserFork>& fork);
+  void sendDeleteBatch(
+      int64_t owner,
+      std::vector<std::shared_ptr<detail::UserFork>> batch);
   void eraseUserFork(const ForkId& fork);
 
   // Runs function(value, args...) once `value` (a record's future) is set.
@@ -287,6 +302,12 @@ class RRefContext : public rpc::RuntimeLayer,
   std::unordered_map<ForkId, std::shared_ptr<detail::UserFork>, GlobalIdHash>
       pendingChildren_;
   size_t pendingConfirmations_ = 0;
+  // Deletions per owner (see sendDelete).
+  struct DeletionQueue {
+    bool inFlight = false;
+    std::vector<std::shared_ptr<detail::UserFork>> queued;
+  };
+  std::unordered_map<int64_t, DeletionQueue> deletions_;
   // R6: deletions that came before their RRef, oldest first.
   std::deque<std::pair<RRefId, ForkId>> tombstones_;
 };

@@ -44,8 +44,12 @@ struct UserFork {
   const ForkId fork;
   // -1 when remote() named a worker that does not exist.
   const int64_t owner;
-  // Only on the creator: completes when the owner answered kRemote; its
-  // error is the creation error (G4). Set before the fork is shared.
+  // Completes when the owner answered (registered the fork, or failed to).
+  const c10::intrusive_ptr<c10::ivalue::Future> confirmation =
+      c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+  // Only on the creator: `confirmation` itself (kRemote is answered once the
+  // value exists); its error is the creation error (G4). Set before the fork
+  // is shared.
   c10::intrusive_ptr<c10::ivalue::Future> creation;
   // The owner answered: it registered the fork, or the creation or
   // registration failed (then `failed`). R4 waits for this.

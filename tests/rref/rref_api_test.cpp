@@ -137,6 +137,45 @@ TEST_P(RRefApi, RemoteThenToHereReturnsTheOwnersResult) {
   EXPECT_TRUE(cluster_->waitForEmptyTables());
 }
 
+TEST_P(RRefApi, ConfirmedAsyncCompletesOnceTheOwnerHasTheValue) {
+  auto r = rref::remote<at::Tensor>(
+      rt(0),
+      "worker1",
+      "slow_scale",
+      at::ones({1}),
+      2.0);
+  EXPECT_FALSE(r.confirmedByOwner());
+  r.confirmedAsync().wait();
+  EXPECT_TRUE(r.confirmedByOwner());
+  // A fork that came from the owner is confirmed on arrival.
+  auto made =
+      rt(0).rpcSync<RRef<at::Tensor>>("worker2", "make_local", at::ones({1}));
+  EXPECT_TRUE(made.confirmedByOwner());
+  made.confirmedAsync().wait();
+  auto failed = rref::remote<at::Tensor>(rt(0), "worker1", "boom");
+  expectRpcError(
+      [&]() { failed.confirmedAsync().wait(); },
+      ErrorCode::kRemoteException,
+      {"boom from the owner"});
+  EXPECT_FALSE(failed.confirmedByOwner());
+}
+
+TEST_P(RRefApi, DeletionsToOneOwnerTravelTogether) {
+  std::vector<RRef<at::Tensor>> many;
+  for (int i = 0; i < 64; ++i) {
+    many.push_back(rref::remote<at::Tensor>(rt(0), "worker1", "zeros", 1));
+  }
+  for (auto& r : many) {
+    r.confirmedAsync().wait();
+  }
+  auto before = rt(0).agent().counters().requestsSent;
+  many.clear();
+  EXPECT_TRUE(cluster_->waitForEmptyTables());
+  auto deletions = rt(0).agent().counters().requestsSent - before;
+  EXPECT_GE(deletions, 1u);
+  EXPECT_LT(deletions, 32u) << "64 deletions took " << deletions << " messages";
+}
+
 TEST_P(RRefApi, RemoteRunsBuiltinOperators) {
   auto r = rref::remote<at::Tensor>(
       rt(0),
