@@ -29,10 +29,6 @@
 #include <thread>
 #include <vector>
 
-// NB: rref/detail/records.h is private to rref/; the bench reads a fork's
-// creation future from it to mirror PyTorch's rref._get_future().wait(),
-// which RRef<T> does not offer publicly.
-#include "rref/detail/records.h"
 #include "torchrpc.h"
 
 namespace {
@@ -243,11 +239,7 @@ double rrefChurn(Runtime& rt, int total, int* polls) {
     for (const auto& rref : batch) {
       // Like PyTorch's rref._get_future().wait(): the owner has run add_one
       // and answered the creation.
-      const auto& creation = rref.handle().fork()->creation;
-      creation->wait();
-      if (creation->hasError()) {
-        std::rethrow_exception(creation->exception_ptr());
-      }
+      rref.confirmedAsync().wait();
     }
     batch.clear(); // each user fork sends its deletion
     done += k;
