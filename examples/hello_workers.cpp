@@ -1,6 +1,7 @@
 // Three workers in three processes on this host. Each registers a couple of
 // functions; worker0 calls them on the others, synchronously, asynchronously
-// and through a builtin operator, then every worker shuts down gracefully.
+// and through a builtin operator, keeps a value on worker2 through a remote
+// reference, then every worker shuts down gracefully.
 //
 // Run it as is: with no RANK in the environment it starts the three workers
 // itself (setting RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torchrun
@@ -37,6 +38,10 @@ int runWorker() {
   rt.functions().add("greet", [&rt](std::string who) {
     return "hello " + who + ", this is " + rt.self().name;
   });
+  // Runs on the owner of an RRef, with the value itself.
+  rt.functions().add("accumulate", [](at::Tensor total, at::Tensor delta) {
+    total.add_(delta);
+  });
   rt.start();
 
   if (rt.rank() == 0) {
@@ -51,6 +56,14 @@ int runWorker() {
         rt.rpcAsync<at::Tensor>("worker2", "aten::mul.Tensor", y, y).wait();
     std::cout << "scale on worker1: " << y << "\n"
               << "aten::mul on worker2: " << z << std::endl;
+    // worker2 owns a running total; worker0 only holds a reference.
+    torchrpc::RRef<at::Tensor> total =
+        rt.remote<at::Tensor>("worker2", "scale", at::zeros({3}), 1.0);
+    for (int i = 1; i <= 3; ++i) {
+      total.rpcSync<void>("accumulate", at::full({3}, double(i)));
+    }
+    std::cout << "a total kept on " << total.ownerName() << ": "
+              << total.toHere() << std::endl;
     try {
       rt.rpcSync<at::Tensor>("worker1", "scale", at::ones({3}), "not a number");
     } catch (const torchrpc::RpcError& e) {

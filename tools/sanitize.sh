@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds the rpc/ test binary with a sanitizer and runs it in one process
-# (every test, one after another: that also exercises start, shutdown and
-# start again of many runtimes in one process).
+# Builds the test binaries (rpc/, rref/) with a sanitizer and runs each in one
+# process (every test, one after another: that also exercises start, shutdown
+# and start again of many runtimes in one process).
 #
 #   bash tools/sanitize.sh address   # ASan + LSan: all tiers
 #   bash tools/sanitize.sh thread    # TSan: the in-process tiers only
@@ -23,7 +23,8 @@ if [[ ! -f "${build}/CMakeCache.txt" ]] && command -v ninja >/dev/null; then
   configure+=(-G Ninja)
 fi
 "${configure[@]}"
-cmake --build "${build}" -j "${jobs}" --target torchrpc_rpc_tests
+cmake --build "${build}" -j "${jobs}" --target torchrpc_rpc_tests \
+  torchrpc_rref_tests
 
 case "${sanitizer}" in
   address)
@@ -34,11 +35,16 @@ case "${sanitizer}" in
     export TSAN_OPTIONS="suppressions=${repo}/tests/tsan.supp:halt_on_error=0"
     # fork() under TSan is not supported with threads running: skip the
     # process tiers.
-    filter="-*MultiProcess*:*Tcp*Stopped*:*Tcp*Killed*:*TcpTransport*Process*"
+    filter="-*MultiProcess*:*Multiprocess*:*Tcp*Stopped*:*Tcp*Killed*:*TcpTransport*Process*"
     ;;
   *)
     echo "usage: $0 address|thread" >&2
     exit 2
     ;;
 esac
-timeout 1800 "${build}/tests/torchrpc_rpc_tests" --gtest_filter="${filter}"
+status=0
+for binary in torchrpc_rpc_tests torchrpc_rref_tests; do
+  timeout 1800 "${build}/tests/${binary}" --gtest_filter="${filter}" ||
+    status=1
+done
+exit "${status}"
