@@ -1,0 +1,238 @@
+#include "rref/rref_context.h"
+
+// RRefContext, owner side: the handlers of the rref/ message kinds and the
+// owner table (records, forks, tombstones).
+
+#include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
+
+#include "proto/rref/rref.pb.h"
+#include "rref/detail/context_internals.h"
+#include "rref/detail/records.h"
+#include "rref/rref_handle.h"
+
+namespace torchrpc {
+namespace rref {
+
+using detail::describe;
+using detail::failedFuture;
+using detail::forward;
+using detail::FuturePtr;
+using detail::newFuture;
+using detail::OwnerRecord;
+using detail::readyFuture;
+using detail::RRefHandle;
+using detail::serialize;
+using detail::toWire;
+using detail::UserFork;
+using rpc::ErrorCode;
+using rpc::RpcError;
+
+// ---- handlers (owner side, but kChildAccepted) ------------------------------
+
+FuturePtr RRefContext::onRemote(rpc::Request&& request) {
+  WireReader reader(request, static_cast<int64_t>(agent_.workers().size()));
+  auto message = reader.parse<wire::RemoteRequest>();
+  RRefId rref = reader.id(message.rref());
+  ForkId fork = reader.id(message.fork());
+  if (rref.worker != request.from.id || fork.worker != request.from.id) {
+    reader.fail("the creator did not mint its ids");
+  }
+  std::shared_ptr<OwnerRecord> record;
+  std::shared_ptr<OwnerRecord> receiver;
+  bool gaveUp = false;
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    record = recordLocked(rref);
+    if (record->creating) {
+      reader.fail(describe(rref) + " is being created already");
+    }
+    record->creating = true;
+    gaveUp = takeTombstoneLocked(rref, fork);
+    if (!gaveUp) {
+      record->forks.insert(fork);
+      if (message.has_receiver()) {
+        receiver = recordLocked(reader.id(message.receiver()));
+      }
+    }
+  }
+  FuturePtr result;
+  if (gaveUp) {
+    // R6: the creator deleted its fork before this arrived.
+    result = failedFuture(rpc::makeRpcError(
+        ErrorCode::kTimeout,
+        self_.name,
+        message.function(),
+        request.id,
+        "the creator of " + describe(rref) +
+            " gave up on it before its creation arrived"));
+  } else if (receiver) {
+    result = invokeOnValue(
+        receiver->value,
+        message.function(),
+        std::move(request.values));
+  } else {
+    result =
+        runtime_.invokeLocal(message.function(), std::move(request.values));
+  }
+  // Answered once the value exists, so that a failure reaches the creator.
+  auto reply = newFuture();
+  std::weak_ptr<RRefContext> weak = weak_from_this();
+  result->addCallback([weak, record, reply](c10::ivalue::Future& done) {
+    if (auto self = weak.lock()) {
+      self->settleRecord(record, done);
+    }
+    if (done.hasError()) {
+      reply->setError(done.exception_ptr());
+    } else {
+      reply->markCompleted(c10::IValue());
+    }
+  });
+  return reply;
+}
+
+FuturePtr RRefContext::onCallOn(rpc::Request&& request) {
+  WireReader reader(request, static_cast<int64_t>(agent_.workers().size()));
+  auto message = reader.parse<wire::CallOnRequest>();
+  RRefId rref = reader.id(message.rref());
+  std::shared_ptr<OwnerRecord> record;
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    record = recordLocked(rref); // R6: may wait for the value
+  }
+  return invokeOnValue(
+      record->value,
+      message.function(),
+      std::move(request.values));
+}
+
+FuturePtr RRefContext::onFetch(rpc::Request&& request) {
+  WireReader reader(request, static_cast<int64_t>(agent_.workers().size()));
+  auto message = reader.parse<wire::FetchRequest>();
+  RRefId rref = reader.id(message.rref());
+  std::shared_ptr<OwnerRecord> record;
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    record = recordLocked(rref); // R6: may wait for the value
+  }
+  // The response is the copy: the codec writes the value's bytes.
+  return record->value;
+}
+
+FuturePtr RRefContext::onForkNotify(rpc::Request&& request) {
+  WireReader reader(request, static_cast<int64_t>(agent_.workers().size()));
+  auto message = reader.parse<wire::ForkNotify>();
+  RRefId rref = reader.id(message.rref());
+  ForkId fork = reader.id(message.fork());
+  int64_t parent = reader.workerId(message.parent());
+  if (parent == self_.id || fork.worker != parent) {
+    reader.fail(
+        "fork " + fork.toString() + " cannot come from " +
+        std::to_string(parent));
+  }
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    // A tombstone: the holder already gave the fork up (after its notify
+    // timed out); registering it now would leak.
+    if (!takeTombstoneLocked(rref, fork)) {
+      recordLocked(rref)->forks.insert(fork);
+    }
+  }
+  // R2, R7: the parent hears of it before the notify is answered.
+  wire::ChildAccepted accepted;
+  toWire(fork, accepted.mutable_fork());
+  send(
+      parent,
+      kChildAcceptedKind,
+      serialize(accepted),
+      {},
+      "rref.childAccepted",
+      defaultTimeout());
+  return readyFuture();
+}
+
+FuturePtr RRefContext::onChildAccepted(rpc::Request&& request) {
+  WireReader reader(request, static_cast<int64_t>(agent_.workers().size()));
+  auto message = reader.parse<wire::ChildAccepted>();
+  childAccepted(reader.id(message.fork()));
+  return readyFuture();
+}
+
+FuturePtr RRefContext::onDeleteFork(rpc::Request&& request) {
+  WireReader reader(request, static_cast<int64_t>(agent_.workers().size()));
+  auto message = reader.parse<wire::DeleteForks>();
+  std::vector<std::pair<RRefId, ForkId>> forks;
+  forks.reserve(message.forks_size());
+  for (const auto& entry : message.forks()) {
+    forks.emplace_back(reader.id(entry.rref()), reader.id(entry.fork()));
+  }
+  std::vector<std::shared_ptr<OwnerRecord>> dropped;
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    for (const auto& [rref, fork] : forks) {
+      auto it = owned_.find(rref);
+      if (it == owned_.end() || it->second->forks.erase(fork) == 0) {
+        addTombstoneLocked(rref, fork); // R6
+      } else {
+        maybeDropRecordLocked(it->second, &dropped);
+      }
+    }
+  }
+  // `dropped` (and maybe values) are freed here, outside the lock.
+  return readyFuture();
+}
+
+// ---- owner tables
+// -------------------------------------------------------------
+
+std::shared_ptr<OwnerRecord> RRefContext::recordLocked(const RRefId& id) {
+  auto& slot = owned_[id];
+  if (!slot) {
+    slot = std::make_shared<OwnerRecord>(id);
+    slot->inTable = true;
+  }
+  return slot;
+}
+
+void RRefContext::maybeDropRecordLocked(
+    const std::shared_ptr<OwnerRecord>& record,
+    std::vector<std::shared_ptr<OwnerRecord>>* dropped) {
+  if (record->inTable && record->forks.empty() && record->value->completed()) {
+    record->inTable = false;
+    auto it = owned_.find(record->id);
+    dropped->push_back(std::move(it->second));
+    owned_.erase(it);
+  }
+}
+
+void RRefContext::settleRecord(
+    const std::shared_ptr<OwnerRecord>& record,
+    c10::ivalue::Future& result) {
+  if (!record->value->completed()) {
+    forward(result, *record->value);
+  }
+  std::vector<std::shared_ptr<OwnerRecord>> dropped;
+  std::lock_guard<std::mutex> guard(mutex_);
+  maybeDropRecordLocked(record, &dropped);
+  // NB: `record` is still held by the caller, so nothing is freed here.
+}
+
+void RRefContext::addTombstoneLocked(const RRefId& rref, const ForkId& fork) {
+  if (tombstones_.size() >= kMaxTombstones) {
+    tombstones_.pop_front();
+  }
+  tombstones_.emplace_back(rref, fork);
+}
+
+bool RRefContext::takeTombstoneLocked(const RRefId& rref, const ForkId& fork) {
+  for (auto it = tombstones_.begin(); it != tombstones_.end(); ++it) {
+    if (it->first == rref && it->second == fork) {
+      tombstones_.erase(it);
+      return true;
+    }
+  }
+  return false;
+}
+
+} // namespace rref
+} // namespace torchrpc
