@@ -292,6 +292,7 @@ TEST_P(RRefApi, RRefsTravelInsideListsTuplesAndDicts) {
   EXPECT_TRUE(cluster_->waitForEmptyTables());
 }
 
+// G4.
 TEST_P(RRefApi, AFailedRemoteFailsEveryUseWithTheOriginalError) {
   auto r = rref::remote<at::Tensor>(rt(0), "worker1", "boom");
   expectRpcError(
@@ -318,6 +319,7 @@ TEST_P(RRefApi, AFailedRemoteFailsEveryUseWithTheOriginalError) {
   EXPECT_TRUE(cluster_->waitForEmptyTables());
 }
 
+// G4.
 TEST_P(RRefApi, ARemoteThatTimesOutFailsWithTimeout) {
   auto r = rref::remoteWithTimeout<at::Tensor>(
       rt(0),
@@ -366,6 +368,7 @@ TEST_P(RRefApi, TypesAreChecked) {
       {"Tensor", "str"});
 }
 
+// G2: the value itself is freed.
 TEST_P(RRefApi, CustomClassesLiveOnTheOwner) {
   int before = Counter::alive.load();
   {
@@ -387,6 +390,7 @@ TEST_P(RRefApi, CustomClassesLiveOnTheOwner) {
   EXPECT_EQ(Counter::alive.load(), before);
 }
 
+// G5.
 TEST_P(RRefApi, GracefulShutdownReleasesEveryRRef) {
   // Held on every worker, forked, when shutdown starts.
   auto r =

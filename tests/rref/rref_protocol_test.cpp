@@ -206,7 +206,8 @@ TEST_F(RRefProtocol, AForkInFlightKeepsItsParentsReference) {
   r.toHere();
   ASSERT_TRUE(waitUntil([&]() { return r.confirmedByOwner(); }));
   delayRRefMessages([](const rpc::MessageSummary& m) {
-    return m.kind == rref::kForkNotifyKind && !m.isResponse ? 400ms : 0ms;
+    // Long enough that a loaded machine still checks within it.
+    return m.kind == rref::kForkNotifyKind && !m.isResponse ? 1500ms : 0ms;
   });
   EXPECT_EQ(rt(0).rpcSync<int64_t>("worker2", "hold", r), 1);
   r = RRef<at::Tensor>();
@@ -262,7 +263,7 @@ TEST_F(RRefProtocol, ToHereRacesTheOwnersCreationOfTheValue) {
 TEST_F(RRefProtocol, ADeletionBeforeTheCreationCancelsIt) {
   start(2);
   delayRRefMessages([](const rpc::MessageSummary& m) {
-    return m.kind == rref::kRemoteKind && !m.isResponse ? 500ms : 0ms;
+    return m.kind == rref::kRemoteKind && !m.isResponse ? 2000ms : 0ms;
   });
   auto r = rref::remoteWithTimeout<at::Tensor>(
       rt(0),
