@@ -18,6 +18,7 @@
 #include "proto/rpc/envelope.pb.h"
 #include "rpc/detail/spinning_thread_pool.h"
 #include "rpc/detail/value_codec.h"
+#include "rpc/request_scope.h"
 
 namespace torchrpc {
 namespace rpc {
@@ -456,7 +457,19 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     request.body = envelope.body();
 
     c10::intrusive_ptr<c10::ivalue::Future> result;
+    std::shared_ptr<const RequestScope> scope;
+    if (envelope.metadata_size() > 0) {
+      auto filled = std::make_shared<RequestScope>();
+      filled->from = *from;
+      filled->messageId = id;
+      filled->kind = envelope.kind();
+      filled->metadata.insert(
+          envelope.metadata().begin(),
+          envelope.metadata().end());
+      scope = std::move(filled);
+    }
     try {
+      RequestScopeGuard inScope(scope);
       result = handler->second.handler(std::move(request));
     } catch (...) {
       result = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
@@ -467,9 +480,9 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     int64_t fromId = from->id;
     uint32_t kind = envelope.kind();
     result->addCallback(
-        [weak, conn, id, kind, fromId, what](c10::ivalue::Future& done) {
+        [weak, conn, id, kind, fromId, what, scope](c10::ivalue::Future& done) {
           if (auto self = weak.lock()) {
-            self->reply(conn, id, kind, fromId, what, done);
+            self->reply(conn, id, kind, fromId, what, done, scope.get());
           }
         });
   }
@@ -729,7 +742,8 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       wire::Envelope& envelope,
       const WorkerInfo& peer,
       const std::vector<c10::IValue>& values,
-      const DeviceMap* deviceMap) {
+      const DeviceMap* deviceMap,
+      const RequestScope* request = nullptr) {
     detail::ValueEncoder encoder(peer.id, deviceMap, &extensions_);
     for (const auto& value : values) {
       encoder.encode(value, envelope.add_values());
@@ -745,7 +759,8 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
           peer,
           envelope.kind(),
           envelope.id(),
-          envelope.is_response()};
+          envelope.is_response(),
+          request};
       for (const auto& hook : hooks_) {
         if (!hook.onSend) {
           continue;
@@ -817,7 +832,12 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
         std::move(tensors),
         &extensions_);
     if (!hooks_.empty()) {
-      HookContext context{peer, envelope.kind(), envelope.id(), response};
+      HookContext context{
+          peer,
+          envelope.kind(),
+          envelope.id(),
+          response,
+          nullptr};
       size_t count = decoder.tensors().size();
       for (const auto& hook : hooks_) {
         if (!hook.onReceive) {
@@ -851,7 +871,8 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       uint32_t kind,
       int64_t fromId,
       const std::string& what,
-      c10::ivalue::Future& done) {
+      c10::ivalue::Future& done,
+      const RequestScope* request) {
     wire::Envelope envelope;
     envelope.set_version(kWireVersion);
     envelope.set_id(id);
@@ -870,7 +891,8 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
             envelope,
             peer,
             {done.value()},
-            map == responseMaps_.end() ? nullptr : mapOrNull(map->second));
+            map == responseMaps_.end() ? nullptr : mapOrNull(map->second),
+            request);
       } catch (...) {
         wire::Envelope failure;
         failure.set_version(kWireVersion);

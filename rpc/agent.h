@@ -12,6 +12,7 @@
 
 #include "rpc/errors.h"
 #include "rpc/options.h"
+#include "rpc/request_scope.h"
 #include "rpc/transport.h"
 #include "rpc/value_extension.h"
 #include "rpc/worker_info.h"
@@ -66,6 +67,8 @@ struct HookContext {
   uint32_t kind;
   uint64_t messageId;
   bool isResponse;
+  // For a response: the request it answers, if that carried metadata.
+  const RequestScope* request;
 };
 
 // Lets an upper layer see every message's tensors and attach metadata, e.g.

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "rpc/errors.h"
+#include "rpc/request_scope.h"
 #include "rpc/value_types.h"
 
 namespace torchrpc {
@@ -91,13 +92,19 @@ class Future {
   }
 
   // Chains fn(T) -> U (U may be void). An error of this future, or one that
-  // fn throws, becomes the error of the returned future.
+  // fn throws, becomes the error of the returned future. fn runs in the
+  // RequestScope that was current when then() was called.
   template <typename F>
   auto then(F&& fn) const {
     using U = typename detail::ThenResult<T, F>::type;
     auto child = impl_->then(
-        [fn = std::forward<F>(fn), worker = worker_, function = function_](
+        [fn = std::forward<F>(fn),
+         worker = worker_,
+         function = function_,
+         scope = currentRequestScope()](
             c10::ivalue::Future& parent) mutable -> c10::IValue {
+          // Continuations of a handler belong to its request.
+          RequestScopeGuard inScope(scope);
           if constexpr (std::is_void<T>::value) {
             parent.value(); // rethrows the parent's error
             return invokeToIValue<U>(fn);
