@@ -12,6 +12,8 @@
 #include <string>
 #include <utility>
 
+#include "autograd/context.h"
+#include "autograd/context_container.h"
 #include "rpc/errors.h"
 #include "rpc/function_registry.h"
 #include "rpc/future.h"
@@ -26,13 +28,15 @@ namespace torchrpc {
 
 using rref::RRef;
 
-// One worker with every layer: the rpc/ runtime plus the RRef layer. This is
-// what programs construct; rpc::Runtime alone is the bare RPC core.
+// One worker with every layer: the rpc/ runtime plus the RRef and
+// distributed autograd layers. This is what programs construct; rpc::Runtime
+// alone is the bare RPC core.
 class Runtime : public rpc::Runtime {
  public:
   Runtime(std::string name, Options options)
       : rpc::Runtime(std::move(name), std::move(options)),
-        rrefs_(rref::RRefContext::install(*this)) {}
+        rrefs_(rref::RRefContext::install(*this)),
+        autogradContexts_(autograd::ContextContainer::install(*this)) {}
 
   // Runs `function` on `to`, which owns the result; see rref::remote().
   template <typename T, typename... Args>
@@ -53,9 +57,14 @@ class Runtime : public rpc::Runtime {
   rref::RRefContext& rrefs() {
     return *rrefs_;
   }
+  // The distributed autograd contexts this worker takes part in.
+  autograd::ContextContainer& autogradContexts() {
+    return *autogradContexts_;
+  }
 
  private:
   std::shared_ptr<rref::RRefContext> rrefs_;
+  std::shared_ptr<autograd::ContextContainer> autogradContexts_;
 };
 
 } // namespace torchrpc

@@ -1,0 +1,44 @@
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "autograd/context_container.h"
+#include "autograd/dist_context.h"
+#include "rpc/runtime.h"
+
+namespace torchrpc {
+namespace autograd {
+
+// Opens a distributed autograd context on the calling thread for as long as
+// it lives: calls made from this thread, and from the handlers they reach,
+// record their send/recv functions in it (see
+// Note [Distributed autograd recording]). When it ends, every worker that
+// joined the context releases it; the destructor waits for that (bounded by
+// the runtime's default timeout) and never throws.
+//
+// Guards nest; a guard must end on the thread that opened it, before its
+// runtime is destroyed.
+class Context {
+ public:
+  explicit Context(rpc::Runtime& runtime);
+  ~Context();
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+
+  int64_t id() const {
+    return context_->id();
+  }
+  // What this worker recorded in the context.
+  const DistContext& recorded() const {
+    return *context_;
+  }
+
+ private:
+  std::shared_ptr<ContextContainer> container_;
+  std::shared_ptr<DistContext> context_;
+  std::pair<const ContextContainer*, int64_t> previous_;
+};
+
+} // namespace autograd
+} // namespace torchrpc

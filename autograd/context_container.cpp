@@ -1,0 +1,379 @@
+#include "autograd/context_container.h"
+
+#include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
+
+#include <future>
+#include <thread>
+
+#include "proto/autograd/autograd.pb.h"
+#include "rpc/request_scope.h"
+
+namespace torchrpc {
+namespace autograd {
+
+using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
+
+namespace {
+
+constexpr const char* kHookName = "autograd";
+constexpr int kIdShift = 48;
+
+// The guard open on this thread: which container, which context.
+struct CurrentContext {
+  const ContextContainer* container = nullptr;
+  int64_t id = -1;
+};
+thread_local CurrentContext current;
+
+FuturePtr readyFuture() {
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+  future->markCompleted(c10::IValue());
+  return future;
+}
+
+// Completes when every one of `futures` has; with the first error, if any.
+FuturePtr allOf(const std::vector<FuturePtr>& futures) {
+  if (futures.empty()) {
+    return readyFuture();
+  }
+  auto all = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+  auto remaining = std::make_shared<std::atomic<size_t>>(futures.size());
+  auto firstError = std::make_shared<std::exception_ptr>();
+  auto errorMutex = std::make_shared<std::mutex>();
+  for (const auto& future : futures) {
+    future->addCallback(
+        [all, remaining, firstError, errorMutex](c10::ivalue::Future& done) {
+          if (done.hasError()) {
+            std::lock_guard<std::mutex> guard(*errorMutex);
+            if (!*firstError) {
+              *firstError = done.exception_ptr();
+            }
+          }
+          if (remaining->fetch_sub(1) == 1) {
+            if (*firstError) {
+              all->setError(*firstError);
+            } else {
+              all->markCompleted(c10::IValue());
+            }
+          }
+        });
+  }
+  return all;
+}
+
+wire::AutogradMetadata parseMetadata(const std::string& bytes) {
+  wire::AutogradMetadata metadata;
+  TORCH_CHECK(
+      metadata.ParseFromString(bytes) && metadata.context_id() > 0,
+      "autograd metadata does not parse");
+  return metadata;
+}
+
+} // namespace
+
+// ---- set-up ---------------------------------------------------------------
+
+std::shared_ptr<ContextContainer> ContextContainer::install(
+    rpc::Runtime& runtime) {
+  auto container = std::make_shared<ContextContainer>(Token{}, runtime);
+  container->registerWithAgent();
+  runtime.addLayer(container);
+  return container;
+}
+
+std::shared_ptr<ContextContainer> ContextContainer::of(rpc::Runtime& runtime) {
+  auto container = runtime.findLayer<ContextContainer>();
+  TORCH_CHECK(
+      container,
+      "runtime '",
+      runtime.self().name,
+      "' has no distributed autograd layer: use torchrpc::Runtime, or call "
+      "torchrpc::autograd::ContextContainer::install(runtime) before start()");
+  return container;
+}
+
+ContextContainer::ContextContainer(Token, rpc::Runtime& runtime)
+    : runtime_(runtime),
+      agent_(runtime.agent()),
+      selfId_(runtime.self().id) {
+  TORCH_CHECK(
+      selfId_ < (int64_t(1) << 15),
+      "distributed autograd supports up to 32768 workers");
+}
+
+std::string ContextContainer::name() const {
+  return "autograd";
+}
+
+void ContextContainer::registerWithAgent() {
+  std::weak_ptr<ContextContainer> weak = weak_from_this();
+  rpc::MessageHook hook;
+  hook.name = kHookName;
+  hook.onSend = [weak](
+                    const rpc::HookContext& context,
+                    const std::vector<at::Tensor>& tensors,
+                    std::string* metadata) {
+    if (auto self = weak.lock()) {
+      self->onSend(context, tensors, metadata);
+    }
+  };
+  hook.onReceive = [weak](
+                       const rpc::HookContext& context,
+                       std::vector<at::Tensor>& tensors,
+                       const std::string* metadata) {
+    if (auto self = weak.lock()) {
+      self->onReceive(context, tensors, metadata);
+    }
+  };
+  agent_.addHook(std::move(hook));
+  agent_.registerHandler(
+      kReleaseContextKind,
+      "autograd.releaseContext",
+      [weak](rpc::Request&& request) -> FuturePtr {
+        auto self = weak.lock();
+        if (!self) {
+          return readyFuture();
+        }
+        return self->onReleaseContext(std::move(request));
+      });
+}
+
+int64_t ContextContainer::mintId(std::atomic<int64_t>& counter) const {
+  return (selfId_ << kIdShift) | counter.fetch_add(1);
+}
+
+ContextContainer::Counters ContextContainer::counters() const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  Counters counters;
+  counters.liveContexts = contexts_.size();
+  for (const auto& entry : contexts_) {
+    counters.sendFunctions += entry.second->sends().size();
+    counters.recvFunctions += entry.second->recvs().size();
+  }
+  return counters;
+}
+
+// ---- contexts ---------------------------------------------------------------
+
+std::shared_ptr<DistContext> ContextContainer::open() {
+  auto context = std::make_shared<DistContext>(mintId(nextContextId_));
+  std::lock_guard<std::mutex> guard(mutex_);
+  TORCH_CHECK(!closed_, "the runtime has shut down");
+  contexts_.emplace(context->id(), context);
+  return context;
+}
+
+std::shared_ptr<DistContext> ContextContainer::find(int64_t id) const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  auto it = contexts_.find(id);
+  return it == contexts_.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<DistContext> ContextContainer::join(int64_t id) {
+  std::lock_guard<std::mutex> guard(mutex_);
+  auto it = contexts_.find(id);
+  if (it != contexts_.end()) {
+    return it->second;
+  }
+  if (released_.count(id) > 0 || closed_) {
+    throw rpc::RpcError(
+        rpc::ErrorCode::kBadArguments,
+        "",
+        "",
+        0,
+        "distributed autograd context " + std::to_string(id) +
+            " was already released");
+  }
+  auto context = std::make_shared<DistContext>(id);
+  contexts_.emplace(id, context);
+  return context;
+}
+
+std::pair<const ContextContainer*, int64_t> ContextContainer::exchangeCurrent(
+    const ContextContainer* container,
+    int64_t id) {
+  std::pair<const ContextContainer*, int64_t> previous{
+      current.container,
+      current.id};
+  current.container = container;
+  current.id = id;
+  return previous;
+}
+
+int64_t ContextContainer::currentContextId() const {
+  if (current.container == this) {
+    return current.id;
+  }
+  const auto& scope = rpc::currentRequestScope();
+  if (scope) {
+    auto it = scope->metadata.find(kHookName);
+    if (it != scope->metadata.end()) {
+      return parseMetadata(it->second).context_id();
+    }
+  }
+  return -1;
+}
+
+// ---- recording (Note [Distributed autograd recording])
+// ------------------------
+
+void ContextContainer::onSend(
+    const rpc::HookContext& hookContext,
+    const std::vector<at::Tensor>& tensors,
+    std::string* metadata) {
+  int64_t contextId = -1;
+  if (hookContext.isResponse) {
+    if (hookContext.request != nullptr) {
+      auto it = hookContext.request->metadata.find(kHookName);
+      if (it != hookContext.request->metadata.end()) {
+        contextId = parseMetadata(it->second).context_id();
+      }
+    }
+  } else {
+    contextId = currentContextId();
+  }
+  if (contextId < 0) {
+    return; // R3
+  }
+  bool anyRequiresGrad = false;
+  for (const auto& tensor : tensors) {
+    anyRequiresGrad = anyRequiresGrad || tensor.requires_grad();
+  }
+  if (!anyRequiresGrad && hookContext.isResponse) {
+    return; // R3
+  }
+  wire::AutogradMetadata out;
+  out.set_context_id(contextId);
+  if (anyRequiresGrad) {
+    // R2.
+    auto context = join(contextId);
+    int64_t messageId = mintId(nextMessageId_);
+    context->addSend(std::make_shared<SendFunction>(
+        contextId,
+        messageId,
+        hookContext.peer.id,
+        tensors));
+    out.set_message_id(messageId);
+  } else if (auto context = find(contextId)) {
+    // R1: the peer may join through nested calls or its response.
+    context->addPeer(hookContext.peer.id);
+  } else {
+    // Serving a request of a context this worker has not joined yet: the
+    // peer must hear of its release through us.
+    join(contextId)->addPeer(hookContext.peer.id);
+  }
+  out.SerializeToString(metadata);
+}
+
+void ContextContainer::onReceive(
+    const rpc::HookContext& hookContext,
+    std::vector<at::Tensor>& tensors,
+    const std::string* metadata) {
+  if (metadata == nullptr) {
+    return;
+  }
+  auto parsed = parseMetadata(*metadata);
+  if (parsed.message_id() == 0) {
+    return; // R1: only the context id; joined lazily
+  }
+  auto context = join(parsed.context_id());
+  auto recv = std::make_shared<RecvFunction>(
+      parsed.context_id(),
+      parsed.message_id(),
+      hookContext.peer.id);
+  recv->adopt(tensors);
+  context->addRecv(std::move(recv));
+}
+
+// ---- release (R4) -----------------------------------------------------------
+
+bool ContextContainer::release(int64_t id) {
+  auto done = std::make_shared<std::promise<std::string>>();
+  auto outcome = done->get_future();
+  releaseAndForward(id, /*except=*/-1)
+      ->addCallback([done](c10::ivalue::Future& all) {
+        done->set_value(
+            all.hasError() ? rpc::describeException(all.exception_ptr())
+                           : std::string());
+      });
+  std::string error = "no answer in time";
+  if (outcome.wait_for(runtime_.options().defaultTimeout) ==
+      std::future_status::ready) {
+    error = outcome.get();
+  }
+  if (!error.empty()) {
+    LOG(WARNING) << runtime_.self().name << ": distributed autograd context "
+                 << id << " was not released everywhere: " << error;
+    return false;
+  }
+  return true;
+}
+
+FuturePtr ContextContainer::releaseAndForward(int64_t id, int64_t except) {
+  std::shared_ptr<DistContext> context;
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    auto it = contexts_.find(id);
+    if (it != contexts_.end()) {
+      context = std::move(it->second);
+      contexts_.erase(it);
+    }
+    if (released_.insert(id).second) {
+      releasedOrder_.push_back(id);
+      if (releasedOrder_.size() > kMaxReleased) {
+        released_.erase(releasedOrder_.front());
+        releasedOrder_.pop_front();
+      }
+    }
+    if (closed_) {
+      return readyFuture();
+    }
+  }
+  if (!context) {
+    return readyFuture();
+  }
+  std::vector<FuturePtr> answers;
+  wire::ReleaseContext message;
+  message.set_context_id(id);
+  std::string body = message.SerializeAsString();
+  for (int64_t peer : context->peers()) {
+    if (peer == except || peer == selfId_) {
+      continue;
+    }
+    rpc::OutgoingRequest request;
+    request.kind = kReleaseContextKind;
+    request.body = body;
+    request.what = "autograd.releaseContext";
+    request.timeout = runtime_.options().defaultTimeout;
+    answers.push_back(agent_.send(rpc::WorkerRef(peer), std::move(request)));
+  }
+  return allOf(answers);
+}
+
+FuturePtr ContextContainer::onReleaseContext(rpc::Request&& request) {
+  wire::ReleaseContext message;
+  if (!message.ParseFromString(request.body) || message.context_id() <= 0) {
+    throw rpc::RpcError(
+        rpc::ErrorCode::kMalformedMessage,
+        request.from.name,
+        "autograd.releaseContext",
+        request.id,
+        "malformed release message");
+  }
+  // Answered once the peers it reached have released it too (R4).
+  return releaseAndForward(message.context_id(), request.from.id);
+}
+
+void ContextContainer::closed() {
+  std::unordered_map<int64_t, std::shared_ptr<DistContext>> contexts;
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    closed_ = true;
+    contexts.swap(contexts_);
+  }
+  // Freed outside the lock: dropping graphs may free tensors.
+}
+
+} // namespace autograd
+} // namespace torchrpc

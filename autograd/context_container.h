@@ -1,0 +1,148 @@
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "autograd/dist_context.h"
+#include "rpc/runtime.h"
+#include "rpc/runtime_layer.h"
+
+namespace torchrpc {
+namespace autograd {
+
+// Message kinds of the autograd layer (rpc/ owns [1, 15], rref/ [16, 31];
+// autograd/ takes [32, 47]).
+constexpr uint32_t kReleaseContextKind = 32;
+
+// Note [Distributed autograd recording]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A context is opened on a driving thread by an autograd::Context guard. Its
+// id is unique across the job: the opening worker's id in the top 16 bits, a
+// counter of that worker below. Each worker keeps the contexts it takes part
+// in in its ContextContainer (owned by its Runtime).
+//
+// Which context a message belongs to: a request sent from a thread that has
+// a guard open belongs to the guard's context; a request sent while serving
+// a request of context C (on the handler's thread, or in a continuation
+// chained with rpc::Future::then from it) belongs to C; a response belongs
+// to the context of the request it answers.
+//
+// Rules:
+//  R1. Every request that belongs to a context carries the context id (as
+//      the "autograd" metadata of rpc/'s hooks), whether or not its tensors
+//      require grad, so that its handler's nested calls and its response
+//      can belong to the context too.
+//  R2. A message whose tensors include some that require grad gets a
+//      message id (job-unique, as context ids are). The sender records a
+//      SendFunction whose next edges are those tensors' gradient edges; the
+//      receiver joins the context (creates it if new) and records a
+//      RecvFunction, which becomes those tensors' grad_fn. Both are nodes of
+//      libtorch's own autograd graph, keyed by the message id.
+//  R3. Tensors that do not require grad, and messages outside any context,
+//      record nothing and carry no metadata.
+//  R4. Releasing a context (the guard ends) removes it here and sends
+//      kReleaseContext to every worker this one exchanged messages with in
+//      it; each does the same for its own peers before answering, so the
+//      guard returns once every worker that joined has released it (bounded
+//      by the runtime's default timeout). A worker remembers the last
+//      kMaxReleased released ids and refuses to join them again: a message
+//      of a released context fails with kBadArguments.
+//
+// Guarantees:
+//  G1. Contexts never mix: what a message records goes into the context it
+//      belongs to only, however many contexts are open at once.
+//  G2. After a guard ends, no worker holds its context (counters show it).
+class ContextContainer : public rpc::RuntimeLayer,
+                         public std::enable_shared_from_this<ContextContainer> {
+ public:
+  static constexpr size_t kMaxReleased = 1 << 16;
+
+  // Adds the layer to `runtime` (before start()) and returns it.
+  static std::shared_ptr<ContextContainer> install(rpc::Runtime& runtime);
+  // The layer of `runtime`; throws c10::Error if it was not installed.
+  static std::shared_ptr<ContextContainer> of(rpc::Runtime& runtime);
+
+  // Counters, readable by tests and metrics.
+  struct Counters {
+    size_t liveContexts = 0;
+    size_t sendFunctions = 0;
+    size_t recvFunctions = 0;
+  };
+  Counters counters() const;
+
+  // A new context opened here (used by the autograd::Context guard).
+  std::shared_ptr<DistContext> open();
+  // The context of that id on this worker, or nullptr.
+  std::shared_ptr<DistContext> find(int64_t id) const;
+  // R4: releases the context here and on every worker it reached; returns
+  // whether all of them answered in time. Never throws.
+  bool release(int64_t id);
+
+  // The context the calling thread's messages belong to (see the Note),
+  // or -1.
+  int64_t currentContextId() const;
+
+  // ---- RuntimeLayer ---------------------------------------------------
+  std::string name() const override;
+  void closed() override;
+
+ private:
+  struct Token {};
+
+ public:
+  ContextContainer(Token, rpc::Runtime& runtime);
+
+ private:
+  friend class Context;
+  // Makes (container, id) the guard open on this thread; returns the
+  // previous one.
+  static std::pair<const ContextContainer*, int64_t> exchangeCurrent(
+      const ContextContainer* container,
+      int64_t id);
+
+  void registerWithAgent();
+  int64_t mintId(std::atomic<int64_t>& counter) const;
+
+  void onSend(
+      const rpc::HookContext& context,
+      const std::vector<at::Tensor>& tensors,
+      std::string* metadata);
+  void onReceive(
+      const rpc::HookContext& context,
+      std::vector<at::Tensor>& tensors,
+      const std::string* metadata);
+  c10::intrusive_ptr<c10::ivalue::Future> onReleaseContext(
+      rpc::Request&& request);
+
+  // The context, created if new (R2); throws for a released one (R4).
+  std::shared_ptr<DistContext> join(int64_t id);
+  // Removes the context and tells its peers (but `except`); the future
+  // completes when all answered.
+  c10::intrusive_ptr<c10::ivalue::Future> releaseAndForward(
+      int64_t id,
+      int64_t except);
+
+  rpc::Runtime& runtime_;
+  rpc::Agent& agent_;
+  const int64_t selfId_;
+  mutable std::atomic<int64_t> nextContextId_{1};
+  mutable std::atomic<int64_t> nextMessageId_{1};
+
+  mutable std::mutex mutex_;
+  bool closed_ = false;
+  std::unordered_map<int64_t, std::shared_ptr<DistContext>> contexts_;
+  std::unordered_set<int64_t> released_;
+  std::deque<int64_t> releasedOrder_;
+};
+
+} // namespace autograd
+} // namespace torchrpc

@@ -1,0 +1,80 @@
+#pragma once
+
+#include <torch/csrc/autograd/function.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace torchrpc {
+namespace autograd {
+
+// The two ends of a message that carried tensors requiring grad inside a
+// distributed autograd context; both are nodes of libtorch's own graph. See
+// Note [Distributed autograd recording] in autograd/context_container.h.
+
+// On the sender: its next edges are the gradient edges of the tensors sent
+// (in wire order, those requiring grad); its inputs are the gradients the
+// receiver sends back. Applying it passes them on unchanged.
+class SendFunction : public torch::autograd::Node {
+ public:
+  SendFunction(
+      int64_t contextId,
+      int64_t messageId,
+      int64_t toWorker,
+      const std::vector<at::Tensor>& tensors);
+
+  torch::autograd::variable_list apply(
+      torch::autograd::variable_list&& grads) override;
+  std::string name() const override;
+
+  int64_t contextId() const {
+    return contextId_;
+  }
+  int64_t messageId() const {
+    return messageId_;
+  }
+  int64_t toWorker() const {
+    return toWorker_;
+  }
+
+ private:
+  const int64_t contextId_;
+  const int64_t messageId_;
+  const int64_t toWorker_;
+};
+
+// On the receiver: the grad_fn of the received tensors that require grad.
+// Their gradients go back to the sender's SendFunction; the distributed
+// backward captures them there and never applies this node, so a local
+// backward() that reaches it fails with an error saying so.
+class RecvFunction : public torch::autograd::Node {
+ public:
+  RecvFunction(int64_t contextId, int64_t messageId, int64_t fromWorker);
+
+  // Makes this node the grad_fn of `tensors` (those requiring grad, in
+  // order).
+  void adopt(std::vector<at::Tensor>& tensors);
+
+  torch::autograd::variable_list apply(
+      torch::autograd::variable_list&& grads) override;
+  std::string name() const override;
+
+  int64_t contextId() const {
+    return contextId_;
+  }
+  int64_t messageId() const {
+    return messageId_;
+  }
+  int64_t fromWorker() const {
+    return fromWorker_;
+  }
+
+ private:
+  const int64_t contextId_;
+  const int64_t messageId_;
+  const int64_t fromWorker_;
+};
+
+} // namespace autograd
+} // namespace torchrpc

@@ -1,0 +1,239 @@
+// Tier 2: Note [Distributed autograd recording] (autograd/context_container.h)
+// with several workers in one process, over each transport.
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "autograd/context.h"
+#include "autograd/context_container.h"
+#include "rref/rref.h"
+#include "rref/rref_context.h"
+#include "tests/support/local_cluster.h"
+
+namespace torchrpc {
+namespace testing {
+namespace {
+
+using autograd::ContextContainer;
+
+std::string gradFnName(const at::Tensor& x) {
+  return x.grad_fn() ? x.grad_fn()->name() : std::string("none");
+}
+
+void registerFunctions(int rank, rpc::Runtime& rt) {
+  rref::RRefContext::install(rt);
+  ContextContainer::install(rt);
+  rt.functions().add("describe", [](at::Tensor x) { return gradFnName(x); });
+  rt.functions().add("make_parameter", [&rt]() {
+    return rref::RRef<at::Tensor>::local(rt, at::ones({3}).requires_grad_());
+  });
+  rt.functions().add("double_it", [](at::Tensor x) { return x * 2; });
+  // A nested call made while serving the request.
+  rt.functions().add("describe_on", [&rt](at::Tensor x, int64_t worker) {
+    return rt.rpcSync<std::string>(worker, "describe", x * 3);
+  });
+  // A nested call made in a continuation of an asynchronous handler.
+  rt.functions().add(
+      "describe_later",
+      [&rt](at::Tensor x, int64_t worker) -> rpc::Future<std::string> {
+        return rt.rpcAsync<at::Tensor>(worker, "double_it", x)
+            .then([&rt, worker](at::Tensor doubled) {
+              return gradFnName(doubled) + "," +
+                  rt.rpcSync<std::string>(worker, "describe", doubled);
+            });
+      });
+}
+
+class AutogradRecording : public ::testing::TestWithParam<TestTransport> {
+ protected:
+  void SetUp() override {
+    cluster_ = std::make_unique<LocalCluster>(
+        GetParam(),
+        3,
+        nullptr,
+        &registerFunctions);
+  }
+  void TearDown() override {
+    EXPECT_TRUE(cluster_->shutdownAll());
+  }
+  rpc::Runtime& rt(int rank) {
+    return (*cluster_)[rank];
+  }
+  ContextContainer::Counters counters(int rank) {
+    return ContextContainer::of(rt(rank))->counters();
+  }
+  size_t liveContexts() {
+    size_t total = 0;
+    for (int rank = 0; rank < 3; ++rank) {
+      total += counters(rank).liveContexts;
+    }
+    return total;
+  }
+
+  std::unique_ptr<LocalCluster> cluster_;
+};
+
+TEST_P(AutogradRecording, ContextIdsAreUniqueAcrossTheJobWithTheWorkerOnTop) {
+  autograd::Context a(rt(0));
+  autograd::Context b(rt(0));
+  autograd::Context c(rt(2));
+  EXPECT_NE(a.id(), b.id());
+  EXPECT_EQ(a.id() >> 48, 0);
+  EXPECT_EQ(c.id() >> 48, 2);
+}
+
+TEST_P(AutogradRecording, TensorsRequiringGradGetSendAndRecvFunctions) {
+  auto x = at::ones({2}).requires_grad_();
+  {
+    autograd::Context context(rt(0));
+    EXPECT_EQ(
+        rt(0).rpcSync<std::string>("worker1", "describe", x),
+        "torchrpc::autograd::RecvFunction");
+    auto y = rt(0).rpcSync<at::Tensor>("worker1", "double_it", x);
+    EXPECT_EQ(gradFnName(y), "torchrpc::autograd::RecvFunction");
+    EXPECT_TRUE(y.requires_grad());
+    EXPECT_TRUE(at::equal(y, at::full({2}, 2.0)));
+    // Two requests sent, one response received here; the mirror on worker1.
+    EXPECT_EQ(context.recorded().sends().size(), 2u);
+    EXPECT_EQ(context.recorded().recvs().size(), 1u);
+    auto sends = context.recorded().sends();
+    for (const auto& entry : sends) {
+      EXPECT_EQ(entry.second->toWorker(), 1);
+      EXPECT_EQ(entry.second->contextId(), context.id());
+      // Its next edge is x's gradient accumulator.
+      ASSERT_EQ(entry.second->next_edges().size(), 1u);
+      EXPECT_EQ(
+          entry.second->next_edges()[0].function,
+          torch::autograd::impl::gradient_edge(x).function);
+    }
+    auto onOne = ContextContainer::of(rt(1))->find(context.id());
+    ASSERT_NE(onOne, nullptr);
+    EXPECT_EQ(onOne->recvs().size(), 2u);
+    EXPECT_EQ(onOne->sends().size(), 1u);
+  }
+  EXPECT_EQ(liveContexts(), 0u);
+}
+
+TEST_P(AutogradRecording, TensorsWithoutGradAndCallsOutsideRecordNothing) {
+  {
+    autograd::Context context(rt(0));
+    EXPECT_EQ(
+        rt(0).rpcSync<std::string>("worker1", "describe", at::ones({2})),
+        "none");
+    EXPECT_TRUE(context.recorded().sends().empty());
+    EXPECT_EQ(counters(1).liveContexts, 0u); // joined lazily, never needed
+  }
+  auto x = at::ones({2}).requires_grad_();
+  EXPECT_EQ(rt(0).rpcSync<std::string>("worker1", "describe", x), "none");
+  auto y = rt(0).rpcSync<at::Tensor>("worker1", "double_it", x);
+  EXPECT_EQ(gradFnName(y), "none");
+  EXPECT_EQ(liveContexts(), 0u);
+}
+
+TEST_P(AutogradRecording, NestedCallsInHandlersJoinTheContext) {
+  auto x = at::ones({2}).requires_grad_();
+  {
+    autograd::Context context(rt(0));
+    EXPECT_EQ(
+        rt(0).rpcSync<std::string>("worker1", "describe_on", x, 2),
+        "torchrpc::autograd::RecvFunction");
+    EXPECT_EQ(counters(2).liveContexts, 1u);
+    EXPECT_EQ(counters(2).recvFunctions, 1u);
+    EXPECT_EQ(counters(1).sendFunctions, 1u);
+  }
+  // worker2 heard of the release through worker1.
+  EXPECT_EQ(liveContexts(), 0u);
+}
+
+TEST_P(AutogradRecording, ContinuationsOfAsyncHandlersJoinTheContext) {
+  auto x = at::ones({2}).requires_grad_();
+  {
+    autograd::Context context(rt(0));
+    EXPECT_EQ(
+        rt(0).rpcSync<std::string>("worker1", "describe_later", x, 2),
+        "torchrpc::autograd::RecvFunction,torchrpc::autograd::RecvFunction");
+    EXPECT_EQ(counters(2).recvFunctions, 2u);
+  }
+  EXPECT_EQ(liveContexts(), 0u);
+}
+
+TEST_P(AutogradRecording, FetchingAnRRefRecordsTheOwnersSend) {
+  auto parameter =
+      rt(0).rpcSync<rref::RRef<at::Tensor>>("worker1", "make_parameter");
+  {
+    autograd::Context context(rt(0));
+    at::Tensor copy = parameter.toHere();
+    EXPECT_EQ(gradFnName(copy), "torchrpc::autograd::RecvFunction");
+    EXPECT_EQ(counters(1).sendFunctions, 1u);
+    auto sends = ContextContainer::of(rt(1))->find(context.id())->sends();
+    ASSERT_EQ(sends.size(), 1u);
+    // The owner's send leads to the parameter's own gradient accumulator.
+    ASSERT_EQ(sends.begin()->second->next_edges().size(), 1u);
+    EXPECT_EQ(
+        sends.begin()->second->next_edges()[0].function->name(),
+        "torch::autograd::AccumulateGrad");
+  }
+  // Outside a context the copy is a plain tensor that requires grad.
+  at::Tensor plain = parameter.toHere();
+  EXPECT_EQ(gradFnName(plain), "none");
+  EXPECT_TRUE(plain.requires_grad());
+  EXPECT_EQ(liveContexts(), 0u);
+}
+
+TEST_P(AutogradRecording, ConcurrentContextsNeverMix) {
+  constexpr int kThreads = 4;
+  constexpr int kCalls = 5;
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t]() {
+      autograd::Context context(rt(0));
+      auto x = at::full({1}, double(t)).requires_grad_();
+      for (int i = 0; i < kCalls + t; ++i) {
+        rt(0).rpcSync<at::Tensor>("worker1", "double_it", x);
+      }
+      auto onOne = ContextContainer::of(rt(1))->find(context.id());
+      if (context.recorded().sends().size() != size_t(kCalls + t) ||
+          context.recorded().recvs().size() != size_t(kCalls + t) || !onOne ||
+          onOne->recvs().size() != size_t(kCalls + t)) {
+        ++failures;
+      }
+    });
+  }
+  for (auto& thread : threads) {
+    thread.join();
+  }
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(liveContexts(), 0u);
+}
+
+TEST_P(AutogradRecording, ALocalBackwardThroughARecvFunctionSaysWhatToDo) {
+  autograd::Context context(rt(0));
+  auto x = at::ones({2}).requires_grad_();
+  auto y = rt(0).rpcSync<at::Tensor>("worker1", "double_it", x);
+  try {
+    y.sum().backward();
+    ADD_FAILURE() << "a local backward through a recv function ran";
+  } catch (const c10::Error& e) {
+    std::string what = e.what();
+    EXPECT_NE(what.find("received from worker 1"), std::string::npos) << what;
+    EXPECT_NE(what.find("distributed backward"), std::string::npos) << what;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Transports,
+    AutogradRecording,
+    ::testing::Values(TestTransport::kInProcess, TestTransport::kTcp),
+    transportName);
+
+} // namespace
+} // namespace testing
+} // namespace torchrpc
