@@ -8,6 +8,7 @@
 
 #include "proto/rpc/envelope.pb.h"
 #include "rpc/inprocess_transport.h"
+#include "rpc/request_scope.h"
 #include "tests/support/local_cluster.h"
 
 namespace torchrpc {
@@ -251,6 +252,57 @@ TEST(AgentExtensions, HooksSeeTensorsAttachMetadataAndMayReplaceTensors) {
   EXPECT_EQ(
       seen,
       std::vector<std::string>({"request:1:grad", "response:1:grad"}));
+}
+
+// The request a handler serves is current on its thread and in the
+// continuations it chains; the response's hook sees it too.
+TEST(AgentExtensions, HandlersAndTheirContinuationsSeeTheRequestScope) {
+  std::mutex mutex;
+  std::vector<std::string> answeredFor; // per response: the request's tag
+  LocalCluster cluster(
+      TestTransport::kInProcess,
+      2,
+      nullptr,
+      [&](int, rpc::Runtime& rt) {
+        auto tagOf = []() -> std::string {
+          const auto& scope = rpc::currentRequestScope();
+          if (!scope) {
+            return "none";
+          }
+          auto it = scope->metadata.find("test.scope");
+          return it == scope->metadata.end() ? "none" : it->second;
+        };
+        rt.functions().add("tag", tagOf);
+        rt.functions().add("tag_later", [&rt, tagOf]() {
+          return rt.rpcAsync<std::string>("worker0", "tag")
+              .then([tagOf](std::string) { return tagOf(); });
+        });
+        rpc::MessageHook hook;
+        hook.name = "test.scope";
+        hook.onSend = [&](const rpc::HookContext& context,
+                          const std::vector<at::Tensor>&,
+                          std::string* metadata) {
+          if (!context.isResponse) {
+            *metadata = "call" + std::to_string(context.messageId);
+            return;
+          }
+          std::lock_guard<std::mutex> guard(mutex);
+          answeredFor.push_back(
+              context.request ? context.request->metadata.at("test.scope")
+                              : "none");
+        };
+        rt.agent().addHook(hook);
+      });
+  EXPECT_FALSE(rpc::currentRequestScope());
+  auto tag = cluster[0].rpcSync<std::string>("worker1", "tag");
+  EXPECT_EQ(tag.rfind("call", 0), 0u) << tag;
+  // The continuation runs after a nested call, still in the first request.
+  auto later = cluster[0].rpcSync<std::string>("worker1", "tag_later");
+  EXPECT_EQ(later.rfind("call", 0), 0u) << later;
+  std::lock_guard<std::mutex> guard(mutex);
+  ASSERT_EQ(answeredFor.size(), 3u);
+  EXPECT_EQ(answeredFor[0], tag);
+  EXPECT_EQ(answeredFor[2], later);
 }
 
 struct Blob : torch::CustomClassHolder {
