@@ -14,21 +14,6 @@
 namespace torchrpc {
 namespace rref {
 
-using detail::creationError;
-using detail::describe;
-using detail::failedFuture;
-using detail::forward;
-using detail::FuturePtr;
-using detail::newFuture;
-using detail::OwnerRecord;
-using detail::readyFuture;
-using detail::RRefHandle;
-using detail::serialize;
-using detail::toWire;
-using detail::UserFork;
-using rpc::ErrorCode;
-using rpc::RpcError;
-
 // ---- creating RRefs ---------------------------------------------------------
 
 c10::intrusive_ptr<RRefHandle> RRefContext::remote(

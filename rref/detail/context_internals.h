@@ -13,6 +13,7 @@
 #include "rpc/errors.h"
 #include "rref/detail/records.h"
 #include "rref/rref_context.h"
+#include "rref/rref_handle.h"
 
 namespace torchrpc {
 namespace rref {
@@ -69,6 +70,22 @@ inline std::exception_ptr creationError(const UserFork& fork) {
 }
 
 } // namespace detail
+
+// What the files implementing RRefContext use unqualified.
+using detail::creationError;
+using detail::describe;
+using detail::failedFuture;
+using detail::forward;
+using detail::FuturePtr;
+using detail::newFuture;
+using detail::OwnerRecord;
+using detail::readyFuture;
+using detail::RRefHandle;
+using detail::serialize;
+using detail::toWire;
+using detail::UserFork;
+using rpc::ErrorCode;
+using rpc::RpcError;
 
 // Reads ids a peer sent: each must name a worker of the job.
 class RRefContext::WireReader {
