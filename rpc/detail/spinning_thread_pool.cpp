@@ -124,7 +124,14 @@ void SpinningThreadPool::workerLoop() {
     tasks_.pop_front();
     queued_.fetch_sub(1, std::memory_order_release);
     ++running_;
+    // run() woke no one if a spinner was about to take the work; tasks that
+    // queued up meanwhile must not wait behind this one while threads sleep
+    // (the one we run may itself wait for them).
+    bool wakeAnother = !tasks_.empty() && sleeping_ > 0;
     lock.unlock();
+    if (wakeAnother) {
+      workAvailable_.notify_one();
+    }
     try {
       task();
     } catch (const std::exception& e) {

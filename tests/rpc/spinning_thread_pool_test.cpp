@@ -2,6 +2,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <thread>
 
 #include "rpc/detail/spinning_thread_pool.h"
@@ -69,6 +71,33 @@ TEST_P(SpinningThreadPoolTest, TasksArrivingWhileOthersSleepAreNotLost) {
   }
   pool.waitWorkComplete();
   EXPECT_EQ(ran.load(), 100);
+}
+
+// A task queued behind the one a spinning thread takes is run by a sleeping
+// thread, even when the first waits for it.
+TEST_P(SpinningThreadPoolTest, QueuedTasksDoNotWaitBehindTheSpinnersTask) {
+  int stalls = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    SpinningThreadPool pool(4, GetParam());
+    pool.run([]() {}); // leaves one thread spinning (if it spins at all)
+    std::this_thread::sleep_for(20us);
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool open = false;
+    pool.run([&]() {
+      std::unique_lock<std::mutex> lock(mutex);
+      if (!cv.wait_for(lock, 2s, [&]() { return open; })) {
+        ++stalls;
+      }
+    });
+    pool.run([&]() {
+      std::lock_guard<std::mutex> guard(mutex);
+      open = true;
+      cv.notify_all();
+    });
+    pool.waitWorkComplete();
+  }
+  EXPECT_EQ(stalls, 0);
 }
 
 TEST(SpinningThreadPool, IdlePoolUsesNoCpu) {
