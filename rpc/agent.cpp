@@ -502,6 +502,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       call = std::move(it->second);
       eraseLocked(it);
     }
+    Completing completing(*this, 1);
     const auto& status = envelope.status();
     if (status.code() != 0) {
       auto code = static_cast<ErrorCode>(status.code());
@@ -570,6 +571,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
         }
       }
     }
+    Completing completing(*this, failed.size());
     ErrorCode code = closed_ ? closeCode_.load() : error.code;
     if (code == ErrorCode::kMalformedMessage) {
       malformedMessages_.fetch_add(1);
@@ -590,7 +592,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
   bool waitForNoPendingCalls(Clock::time_point deadline) {
     std::unique_lock<std::mutex> lock(mutex_);
     return idleCv_.wait_until(lock, deadline, [this]() {
-      return pending_.empty();
+      return pending_.empty() && completing_ == 0;
     });
   }
 
@@ -618,6 +620,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       outgoing_.clear();
     }
     workersReadyCv_.notify_all();
+    Completing completing(*this, failed.size());
     for (size_t i = 0; i < failed.size(); ++i) {
       failed[i].future->setErrorIfNeeded(makeRpcError(
           code,
@@ -669,16 +672,40 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
 
   using PendingMap = std::unordered_map<uint64_t, PendingCall>;
 
+  // Takes a call out of the table to complete it; the caller completes it
+  // outside the lock and then holds a Completing for it, so that
+  // waitForNoPendingCalls() also waits for what completing runs (a layer's
+  // continuation may send the next message of its protocol).
   PendingMap::iterator eraseLocked(PendingMap::iterator it) {
     if (it->second.deadline != Clock::time_point::max()) {
       deadlines_.erase({it->second.deadline, it->first});
     }
-    auto next = pending_.erase(it);
-    if (pending_.empty()) {
-      idleCv_.notify_all();
-    }
-    return next;
+    ++completing_;
+    return pending_.erase(it);
   }
+
+  // Counts `count` calls taken out by eraseLocked() as completed when
+  // destroyed.
+  class Completing {
+   public:
+    Completing(AgentImpl& agent, size_t count) : agent_(agent), count_(count) {}
+    ~Completing() {
+      if (count_ == 0) {
+        return;
+      }
+      std::lock_guard<std::mutex> guard(agent_.mutex_);
+      agent_.completing_ -= count_;
+      if (agent_.pending_.empty() && agent_.completing_ == 0) {
+        agent_.idleCv_.notify_all();
+      }
+    }
+    Completing(const Completing&) = delete;
+    Completing& operator=(const Completing&) = delete;
+
+   private:
+    AgentImpl& agent_;
+    size_t count_;
+  };
 
   void failPending(uint64_t id, ErrorCode code, const std::string& detail) {
     PendingCall call;
@@ -691,6 +718,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       call = std::move(it->second);
       eraseLocked(it);
     }
+    Completing completing(*this, 1);
     call.future->setErrorIfNeeded(
         makeRpcError(code, call.peerName, call.what, id, detail));
   }
@@ -1011,6 +1039,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
         eraseLocked(it);
       }
     }
+    Completing completing(*this, expired.size());
     for (size_t i = 0; i < expired.size(); ++i) {
       auto& call = expired[i];
       LOG(WARNING) << self_.name << " -> " << call.peerName << " call #"
@@ -1048,6 +1077,8 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
   mutable std::mutex mutex_;
   std::mutex connectMutex_;
   PendingMap pending_;
+  // Calls taken out of pending_ whose completion is still running.
+  size_t completing_ = 0;
   std::set<std::pair<Clock::time_point, uint64_t>> deadlines_;
   Clock::time_point armedFor_ = Clock::time_point::max();
   std::unordered_map<int64_t, std::shared_ptr<AgentConnection>> outgoing_;

@@ -156,8 +156,9 @@ class Agent {
       const WorkerRef& to,
       OutgoingRequest request);
 
-  // Blocks until no call of this agent is in flight, or the deadline.
-  // Returns whether it got there.
+  // Blocks until no call of this agent is in flight, nor being completed
+  // (continuations of a completed call have returned), or the deadline.
+  // Returns whether it got there. Must not run inside such a continuation.
   bool waitForNoPendingCalls(std::chrono::steady_clock::time_point deadline);
 
   // From now on, new calls fail with kShuttingDown.

@@ -419,7 +419,15 @@ void RRefContext::childAccepted(const ForkId& child) {
 
 void RRefContext::eraseUserFork(const ForkId& fork) {
   std::lock_guard<std::mutex> guard(mutex_);
-  userForks_.erase(fork);
+  auto it = userForks_.find(fork);
+  if (it == userForks_.end()) {
+    return;
+  }
+  // Shutdown may give a fork back before its confirmation arrived.
+  if (!it->second->confirmed) {
+    --pendingConfirmations_;
+  }
+  userForks_.erase(it);
   if (userForks_.empty()) {
     forksGone_.notify_all();
   }

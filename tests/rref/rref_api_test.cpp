@@ -409,6 +409,24 @@ TEST_P(RRefApi, GracefulShutdownReleasesEveryRRef) {
   cluster_.reset();
 }
 
+// G5 with a creation still in flight when every worker shuts down.
+TEST_P(RRefApi, GracefulShutdownWaitsForACreationInFlight) {
+  auto slow = rref::remote<at::Tensor>(
+      rt(0),
+      "worker1",
+      "slow_scale",
+      at::ones({1}),
+      2.0);
+  EXPECT_TRUE(cluster_->shutdownAll());
+  for (int rank = 0; rank < 3; ++rank) {
+    auto left = cluster_->context(rank).leftAtClose();
+    EXPECT_TRUE(allZero(left))
+        << "worker" << rank << ": " << describeCounters(left);
+  }
+  EXPECT_TRUE(slow.confirmedByOwner());
+  cluster_.reset();
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Transports,
     RRefApi,

@@ -972,15 +972,10 @@ TEST_P(RRefMultiProcess, GracefulShutdownGivesBackRRefsHeldOnEveryWorker) {
   removePaths(paths);
 }
 
-// Disabled: over TensorPipe about 1 run in 150 ends with
-// pendingConfirmations=1 in worker0's leftAtClose(). The agent forgets a
-// pending call before its reply's continuations run, so shutdown's "no pending
-// calls" can hold before the kRemote reply's forkConfirmed() has run; release()
-// then deletes the still unconfirmed fork, and the late forkConfirmed() skips
-// the decrement because the fork has left the user table. Enable once fixed.
-TEST_P(
-    RRefMultiProcess,
-    DISABLED_GracefulShutdownRightAfterARemoteGivesEverythingBack) {
+// A remote() still being created when shutdown starts: shutdown waits for
+// its reply and what the reply's continuations do (the agent counts a call
+// until they have run), then gives that fork back too.
+TEST_P(RRefMultiProcess, GracefulShutdownRightAfterARemoteGivesEverythingBack) {
   auto paths = freshPaths("inflight");
   ChildProcesses children;
   auto pids = spawnWorkers(children, 4, paths, GetParam(), [](Worker& w) {
