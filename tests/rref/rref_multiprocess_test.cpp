@@ -494,30 +494,6 @@ void shutDownAndExpectNothingLeft(torchrpc::Runtime& rt) {
   EXPECT_TRUE(allZero(rt.rrefs().counters())) << rt.self().name;
 }
 
-// Expects fn to throw an RpcError with `code` naming `worker` (the worker
-// the failed call went to), whose message contains every fragment.
-void expectFailure(
-    const std::function<void()>& fn,
-    ErrorCode code,
-    const std::string& worker,
-    std::initializer_list<std::string> fragments) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected RpcError(" << rpc::errorCodeName(code)
-                  << "), nothing was thrown";
-  } catch (const rpc::RpcError& e) {
-    EXPECT_EQ(e.code(), code) << e.what();
-    EXPECT_EQ(e.worker(), worker) << e.what();
-    for (const auto& fragment : fragments) {
-      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos)
-          << "'" << fragment << "' not in: " << e.what();
-    }
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "expected RpcError(" << rpc::errorCodeName(code)
-                  << "), got: " << e.what();
-  }
-}
-
 // Workers other than the driver: serve until the driver says "done", then
 // check their own tables (the driver saw them empty; nothing may have come
 // since) and shut down.
@@ -822,18 +798,18 @@ TEST_P(RRefMultiProcess, AFailedRemoteSurfacesAtToHereOnEveryHolder) {
     }
     auto& rt = w.rt;
     auto r = rt.remote<at::Tensor>("worker1", "boom");
-    expectFailure(
+    expectRpcErrorFrom(
         [&]() { r.toHere(); },
         ErrorCode::kRemoteException,
         "worker1",
         {"boom from worker1"});
-    expectFailure(
+    expectRpcErrorFrom(
         [&]() { r.rpcSync<void>("add_inplace", at::ones({1})); },
         ErrorCode::kRemoteException,
         "worker1",
         {"boom from worker1"});
     // Sending it on fails that call, naming the original error.
-    expectFailure(
+    expectRpcErrorFrom(
         [&]() { rt.rpcSync<bool>("worker2", "hold", r, at::ones({1})); },
         ErrorCode::kBadArguments,
         "worker2",
@@ -859,7 +835,7 @@ TEST_P(RRefMultiProcess, AFailedRemoteSurfacesAtToHereOnEveryHolder) {
         std::get<1>(failure).find("gated boom from worker1"),
         std::string::npos)
         << std::get<1>(failure);
-    expectFailure(
+    expectRpcErrorFrom(
         [&]() { gated.toHere(); },
         ErrorCode::kRemoteException,
         "worker1",
@@ -935,13 +911,13 @@ void shutDownHoldingRRefs(Worker& w, bool remoteInFlight) {
 
   if (w.rank == 0) {
     // A user's handle fails now; an owner's still holds its value.
-    expectFailure(
+    expectRpcErrorFrom(
         [&]() { r1.toHere(); },
         ErrorCode::kShuttingDown,
         "worker1",
         {"worker0"});
     if (slow.defined()) {
-      expectFailure(
+      expectRpcErrorFrom(
           [&]() { slow.toHere(); },
           ErrorCode::kShuttingDown,
           "worker2",
@@ -952,7 +928,7 @@ void shutDownHoldingRRefs(Worker& w, bool remoteInFlight) {
     std::lock_guard<std::mutex> guard(w.state.mutex);
     for (const auto& held : w.state.held) {
       EXPECT_FALSE(held.isOwner());
-      expectFailure(
+      expectRpcErrorFrom(
           [&]() { held.toHere(); },
           ErrorCode::kShuttingDown,
           held.ownerName(),
@@ -1045,17 +1021,17 @@ TEST_P(RRefMultiProcess, AKilledOwnerFailsToHereWithWorkerUnavailable) {
 
     // The transports see the connection drop: kWorkerUnavailable, long
     // before the 30 s call timeout.
-    expectFailure(
+    expectRpcErrorFrom(
         [&]() { pendingFetch.wait(); },
         ErrorCode::kWorkerUnavailable,
         "worker1",
         {});
-    expectFailure(
+    expectRpcErrorFrom(
         [&]() { r.toHere(); },
         ErrorCode::kWorkerUnavailable,
         "worker1",
         {});
-    expectFailure(
+    expectRpcErrorFrom(
         [&]() { hung.toHere(); },
         ErrorCode::kWorkerUnavailable,
         "worker1",

@@ -126,11 +126,13 @@ class LocalCluster {
 };
 
 // Runs fn and expects it to throw an RpcError with `code` whose message
-// contains every one of `fragments`.
+// contains every one of `fragments` and, unless `worker` is empty, whose
+// worker() is `worker` (the worker the failed call went to).
 template <typename F>
-void expectRpcError(
+void expectRpcErrorFrom(
     F&& fn,
     rpc::ErrorCode code,
+    const std::string& worker,
     std::initializer_list<std::string> fragments) {
   try {
     fn();
@@ -138,6 +140,9 @@ void expectRpcError(
                   << "), nothing was thrown";
   } catch (const rpc::RpcError& e) {
     EXPECT_EQ(e.code(), code) << e.what();
+    if (!worker.empty()) {
+      EXPECT_EQ(e.worker(), worker) << e.what();
+    }
     for (const auto& fragment : fragments) {
       EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos)
           << "'" << fragment << "' not in: " << e.what();
@@ -146,6 +151,15 @@ void expectRpcError(
     ADD_FAILURE() << "expected RpcError(" << rpc::errorCodeName(code)
                   << "), got: " << e.what();
   }
+}
+
+// The same, whichever worker the error names.
+template <typename F>
+void expectRpcError(
+    F&& fn,
+    rpc::ErrorCode code,
+    std::initializer_list<std::string> fragments) {
+  expectRpcErrorFrom(std::forward<F>(fn), code, "", fragments);
 }
 
 } // namespace testing
