@@ -96,7 +96,10 @@ class TimedExecutor {
         continue;
       }
       if (!stopping_ && tasks_.top().due > Clock::now()) {
-        cv_.wait_until(lock, tasks_.top().due);
+        // A copy: wait_until reads its argument while unlocked, and a post()
+        // meanwhile may move the queue's storage.
+        Clock::time_point due = tasks_.top().due;
+        cv_.wait_until(lock, due);
         continue;
       }
       std::function<void()> fn = std::move(const_cast<Task&>(tasks_.top()).fn);
