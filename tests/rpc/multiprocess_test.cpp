@@ -219,10 +219,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         rpc::TransportKind::kTensorPipe,
         rpc::TransportKind::kTcp),
-    [](const ::testing::TestParamInfo<rpc::TransportKind>& info) {
-      return info.param == rpc::TransportKind::kTcp ? std::string("Tcp")
-                                                    : std::string("TensorPipe");
-    });
+    testing::processTransportName);
 
 } // namespace
 } // namespace torchrpc

@@ -14,8 +14,11 @@
 #include <cstdio>
 #include <exception>
 #include <functional>
+#include <string>
 #include <thread>
 #include <vector>
+
+#include "rpc/options.h"
 
 namespace torchrpc {
 namespace testing {
@@ -99,6 +102,12 @@ class ChildProcesses {
 
   std::vector<pid_t> pids_;
 };
+
+// Names the process-tier test instances by transport.
+inline std::string processTransportName(
+    const ::testing::TestParamInfo<rpc::TransportKind>& info) {
+  return info.param == rpc::TransportKind::kTcp ? "Tcp" : "TensorPipe";
+}
 
 } // namespace testing
 } // namespace torchrpc
