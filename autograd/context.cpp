@@ -4,7 +4,8 @@ namespace torchrpc {
 namespace autograd {
 
 Context::Context(rpc::Runtime& runtime)
-    : container_(ContextContainer::of(runtime)),
+    : runtime_(runtime),
+      container_(ContextContainer::of(runtime)),
       context_(container_->open()),
       previous_(
           ContextContainer::exchangeCurrent(container_.get(), context_->id())) {
@@ -13,6 +14,29 @@ Context::Context(rpc::Runtime& runtime)
 Context::~Context() {
   ContextContainer::exchangeCurrent(previous_.first, previous_.second);
   container_->release(context_->id());
+}
+
+void Context::backward(
+    const std::vector<at::Tensor>& roots,
+    const BackwardOptions& options) const {
+  autograd::backward(runtime_, id(), roots, {}, options);
+}
+
+void Context::backward(
+    const std::vector<at::Tensor>& roots,
+    const std::vector<at::Tensor>& grads,
+    const BackwardOptions& options) const {
+  autograd::backward(runtime_, id(), roots, grads, options);
+}
+
+void Context::backwardOnOwner(
+    const rref::RRef<at::Tensor>& root,
+    const BackwardOptions& options) const {
+  autograd::backwardOnOwner(runtime_, id(), root, options);
+}
+
+c10::Dict<at::Tensor, at::Tensor> Context::gradients() const {
+  return getGradients(runtime_, id());
 }
 
 } // namespace autograd

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "autograd/backward.h"
 #include "autograd/context_container.h"
 #include "autograd/dist_context.h"
 #include "rpc/runtime.h"
@@ -34,7 +35,22 @@ class Context {
     return *context_;
   }
 
+  // autograd::backward() and getGradients() of this context; see
+  // autograd/backward.h.
+  void backward(
+      const std::vector<at::Tensor>& roots,
+      const BackwardOptions& options = {}) const;
+  void backward(
+      const std::vector<at::Tensor>& roots,
+      const std::vector<at::Tensor>& grads,
+      const BackwardOptions& options = {}) const;
+  void backwardOnOwner(
+      const rref::RRef<at::Tensor>& root,
+      const BackwardOptions& options = {}) const;
+  c10::Dict<at::Tensor, at::Tensor> gradients() const;
+
  private:
+  rpc::Runtime& runtime_;
   std::shared_ptr<ContextContainer> container_;
   std::shared_ptr<DistContext> context_;
   std::pair<const ContextContainer*, int64_t> previous_;

@@ -77,7 +77,9 @@ wire::AutogradMetadata parseMetadata(const std::string& bytes) {
 std::shared_ptr<ContextContainer> ContextContainer::install(
     rpc::Runtime& runtime) {
   auto container = std::make_shared<ContextContainer>(Token{}, runtime);
+  container->engine_ = std::make_shared<DistEngine>(runtime, container);
   container->registerWithAgent();
+  container->engine_->registerWithAgent();
   runtime.addLayer(container);
   return container;
 }
@@ -150,6 +152,7 @@ ContextContainer::Counters ContextContainer::counters() const {
   for (const auto& entry : contexts_) {
     counters.sendFunctions += entry.second->sends().size();
     counters.recvFunctions += entry.second->recvs().size();
+    counters.livePasses += entry.second->passCount();
   }
   return counters;
 }
@@ -222,6 +225,9 @@ void ContextContainer::onSend(
     const rpc::HookContext& hookContext,
     const std::vector<at::Tensor>& tensors,
     std::string* metadata) {
+  if (hookContext.kind >= kDiscoverKind && hookContext.kind <= kAbortKind) {
+    return; // a backward pass's own messages belong to no forward
+  }
   int64_t contextId = -1;
   if (hookContext.isResponse) {
     if (hookContext.request != nullptr) {
@@ -310,6 +316,10 @@ bool ContextContainer::release(int64_t id) {
   return true;
 }
 
+FuturePtr ContextContainer::releaseAsync(int64_t id) {
+  return releaseAndForward(id, /*except=*/-1);
+}
+
 FuturePtr ContextContainer::releaseAndForward(int64_t id, int64_t except) {
   std::shared_ptr<DistContext> context;
   {
@@ -333,6 +343,7 @@ FuturePtr ContextContainer::releaseAndForward(int64_t id, int64_t except) {
   if (!context) {
     return readyFuture();
   }
+  context->close();
   std::vector<FuturePtr> answers;
   wire::ReleaseContext message;
   message.set_context_id(id);
@@ -371,6 +382,9 @@ void ContextContainer::closed() {
     std::lock_guard<std::mutex> guard(mutex_);
     closed_ = true;
     contexts.swap(contexts_);
+  }
+  for (auto& entry : contexts) {
+    entry.second->close();
   }
   // Freed outside the lock: dropping graphs may free tensors.
 }

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "autograd/dist_context.h"
+#include "autograd/dist_engine.h"
 #include "rpc/runtime.h"
 #include "rpc/runtime_layer.h"
 
@@ -76,6 +77,8 @@ class ContextContainer : public rpc::RuntimeLayer,
     size_t liveContexts = 0;
     size_t sendFunctions = 0;
     size_t recvFunctions = 0;
+    // Backward passes running on this worker.
+    size_t livePasses = 0;
   };
   Counters counters() const;
 
@@ -86,6 +89,14 @@ class ContextContainer : public rpc::RuntimeLayer,
   // R4: releases the context here and on every worker it reached; returns
   // whether all of them answered in time. Never throws.
   bool release(int64_t id);
+  // R4 without waiting: the future completes when every worker answered
+  // (with the first error, if any).
+  c10::intrusive_ptr<c10::ivalue::Future> releaseAsync(int64_t id);
+
+  // Runs the distributed backward passes of this worker's contexts.
+  DistEngine& engine() const {
+    return *engine_;
+  }
 
   // The context the calling thread's messages belong to (see the Note),
   // or -1.
@@ -103,6 +114,7 @@ class ContextContainer : public rpc::RuntimeLayer,
 
  private:
   friend class Context;
+  friend class DistEngine;
   // Makes (container, id) the guard open on this thread; returns the
   // previous one.
   static std::pair<const ContextContainer*, int64_t> exchangeCurrent(
@@ -133,6 +145,7 @@ class ContextContainer : public rpc::RuntimeLayer,
 
   rpc::Runtime& runtime_;
   rpc::Agent& agent_;
+  std::shared_ptr<DistEngine> engine_;
   const int64_t selfId_;
   mutable std::atomic<int64_t> nextContextId_{1};
   mutable std::atomic<int64_t> nextMessageId_{1};

@@ -1,5 +1,7 @@
 #include "autograd/dist_context.h"
 
+#include "rpc/errors.h"
+
 namespace torchrpc {
 namespace autograd {
 
@@ -33,6 +35,74 @@ std::map<int64_t, std::shared_ptr<RecvFunction>> DistContext::recvs() const {
 std::set<int64_t> DistContext::peers() const {
   std::lock_guard<std::mutex> guard(mutex_);
   return peers_;
+}
+
+std::shared_ptr<SendFunction> DistContext::findSend(int64_t messageId) const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  auto it = sends_.find(messageId);
+  return it == sends_.end() ? nullptr : it->second;
+}
+
+void DistContext::addPass(std::shared_ptr<detail::LocalBackward> pass) {
+  std::lock_guard<std::mutex> guard(mutex_);
+  passes_.emplace(pass->passId(), std::move(pass));
+}
+
+std::shared_ptr<detail::LocalBackward> DistContext::findPass(
+    int64_t passId) const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  auto it = passes_.find(passId);
+  return it == passes_.end() ? nullptr : it->second;
+}
+
+void DistContext::removePass(int64_t passId) {
+  std::shared_ptr<detail::LocalBackward> removed;
+  std::lock_guard<std::mutex> guard(mutex_);
+  auto it = passes_.find(passId);
+  if (it != passes_.end()) {
+    removed = std::move(it->second);
+    passes_.erase(it);
+  }
+}
+
+size_t DistContext::passCount() const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  return passes_.size();
+}
+
+void DistContext::accumulateGradients(
+    std::vector<std::pair<at::Tensor, at::Tensor>> gradients) {
+  std::lock_guard<std::mutex> guard(mutex_);
+  for (auto& entry : gradients) {
+    auto it = gradients_.find(entry.first);
+    if (it == gradients_.end()) {
+      gradients_.insert(entry.first, std::move(entry.second));
+    } else {
+      it->setValue(it->value() + entry.second);
+    }
+  }
+}
+
+c10::Dict<at::Tensor, at::Tensor> DistContext::gradients() const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  return gradients_.copy();
+}
+
+void DistContext::close() {
+  std::map<int64_t, std::shared_ptr<detail::LocalBackward>> passes;
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    passes.swap(passes_);
+  }
+  for (auto& entry : passes) {
+    entry.second->fail(rpc::makeRpcError(
+        rpc::ErrorCode::kShuttingDown,
+        "",
+        "autograd.backward",
+        0,
+        "distributed autograd context " + std::to_string(id_) +
+            " was released during the pass"));
+  }
 }
 
 } // namespace autograd

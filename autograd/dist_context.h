@@ -5,15 +5,22 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <utility>
+#include <vector>
 
+#include <ATen/ATen.h>
+#include <ATen/core/Dict.h>
+
+#include "autograd/local_backward.h"
 #include "autograd/send_recv_functions.h"
 
 namespace torchrpc {
 namespace autograd {
 
 // What one worker records of one distributed autograd context: the send and
-// recv functions of the messages it sent and received in it, and the
-// workers it exchanged them with (who must release the context too).
+// recv functions of the messages it sent and received in it, the workers it
+// exchanged them with (who must release the context too), the backward
+// passes running here and the gradients they left for this worker's leaves.
 // Thread-safe.
 class DistContext {
  public:
@@ -31,6 +38,23 @@ class DistContext {
   std::map<int64_t, std::shared_ptr<SendFunction>> sends() const;
   std::map<int64_t, std::shared_ptr<RecvFunction>> recvs() const;
   std::set<int64_t> peers() const;
+  std::shared_ptr<SendFunction> findSend(int64_t messageId) const;
+
+  // Backward passes (see Note [Distributed backward]).
+  void addPass(std::shared_ptr<detail::LocalBackward> pass);
+  std::shared_ptr<detail::LocalBackward> findPass(int64_t passId) const;
+  void removePass(int64_t passId);
+  size_t passCount() const;
+
+  // Adds a pass's leaf gradients to what earlier passes left.
+  void accumulateGradients(
+      std::vector<std::pair<at::Tensor, at::Tensor>> gradients);
+  // Leaf -> gradient, summed over the passes that ended here. The tensors
+  // may be shared with other gradients: treat them as read-only.
+  c10::Dict<at::Tensor, at::Tensor> gradients() const;
+
+  // The context is released: fails the passes still running here.
+  void close();
 
  private:
   const int64_t id_;
@@ -38,6 +62,8 @@ class DistContext {
   std::map<int64_t, std::shared_ptr<SendFunction>> sends_;
   std::map<int64_t, std::shared_ptr<RecvFunction>> recvs_;
   std::set<int64_t> peers_;
+  std::map<int64_t, std::shared_ptr<detail::LocalBackward>> passes_;
+  c10::Dict<at::Tensor, at::Tensor> gradients_;
 };
 
 } // namespace autograd

@@ -32,6 +32,7 @@ SendFunction::SendFunction(
   set_next_edges(torch::autograd::collect_next_edges(sent));
   for (const auto& tensor : sent) {
     add_input_metadata(tensor);
+    sent_.push_back(Sent{tensor.sizes().vec(), tensor.options()});
   }
 }
 

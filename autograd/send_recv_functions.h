@@ -38,10 +38,20 @@ class SendFunction : public torch::autograd::Node {
     return toWorker_;
   }
 
+  // What was sent as input `index` (gradients coming back must match it).
+  struct Sent {
+    std::vector<int64_t> sizes;
+    at::TensorOptions options;
+  };
+  const std::vector<Sent>& sent() const {
+    return sent_;
+  }
+
  private:
   const int64_t contextId_;
   const int64_t messageId_;
   const int64_t toWorker_;
+  std::vector<Sent> sent_;
 };
 
 // On the receiver: the grad_fn of the received tensors that require grad.

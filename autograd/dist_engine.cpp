@@ -1,0 +1,774 @@
+#include "autograd/dist_engine.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/List.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <set>
+#include <sstream>
+
+#include "autograd/context_container.h"
+#include "proto/autograd/autograd.pb.h"
+#include "rref/rref.h"
+
+namespace torchrpc {
+namespace autograd {
+
+using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
+using detail::LocalBackward;
+
+namespace {
+
+constexpr const char* kWhat = "autograd.backward";
+constexpr int kIdShift = 48;
+// How long the driver waits for answers to kAbort after a failure.
+constexpr std::chrono::milliseconds kAbortTimeout{5000};
+
+FuturePtr readyFuture(c10::IValue value = c10::IValue()) {
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+  future->markCompleted(std::move(value));
+  return future;
+}
+
+FuturePtr failedFuture(std::exception_ptr error) {
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+  future->setError(std::move(error));
+  return future;
+}
+
+// Completes with the first error among `futures` as soon as it comes, or
+// with their values (a list, in order) once all succeeded.
+FuturePtr firstErrorOrAll(const std::vector<FuturePtr>& futures) {
+  auto all = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+  if (futures.empty()) {
+    all->markCompleted(c10::impl::GenericList(c10::AnyType::get()));
+    return all;
+  }
+  struct State {
+    std::mutex mutex;
+    size_t remaining;
+    bool finished = false;
+  };
+  auto state = std::make_shared<State>();
+  state->remaining = futures.size();
+  for (const auto& future : futures) {
+    future->addCallback([all, state, futures](c10::ivalue::Future& done) {
+      {
+        std::lock_guard<std::mutex> guard(state->mutex);
+        if (state->finished) {
+          return;
+        }
+        if (!done.hasError() && --state->remaining > 0) {
+          return;
+        }
+        state->finished = true;
+      }
+      if (done.hasError()) {
+        all->setError(done.exception_ptr());
+        return;
+      }
+      c10::impl::GenericList values(c10::AnyType::get());
+      for (const auto& each : futures) {
+        values.push_back(each->value());
+      }
+      all->markCompleted(values);
+    });
+  }
+  return all;
+}
+
+// Completes once every one of `futures` has, whatever their outcome.
+FuturePtr allSettled(const std::vector<FuturePtr>& futures) {
+  auto all = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+  if (futures.empty()) {
+    all->markCompleted(c10::IValue());
+    return all;
+  }
+  auto remaining = std::make_shared<std::atomic<size_t>>(futures.size());
+  for (const auto& future : futures) {
+    future->addCallback([all, remaining](c10::ivalue::Future&) {
+      if (remaining->fetch_sub(1) == 1) {
+        all->markCompleted(c10::IValue());
+      }
+    });
+  }
+  return all;
+}
+
+wire::PassRef passRef(int64_t contextId, int64_t passId) {
+  wire::PassRef ref;
+  ref.set_context_id(contextId);
+  ref.set_pass_id(passId);
+  return ref;
+}
+
+template <typename Message>
+Message parseOrThrow(const rpc::Request& request, const char* what) {
+  Message message;
+  if (!message.ParseFromString(request.body)) {
+    throw rpc::RpcError(
+        rpc::ErrorCode::kMalformedMessage,
+        request.from.name,
+        what,
+        request.id,
+        "malformed distributed backward message");
+  }
+  return message;
+}
+
+std::string describePass(int64_t contextId, int64_t passId) {
+  return "pass " + std::to_string(passId) +
+      " of distributed autograd context " + std::to_string(contextId);
+}
+
+} // namespace
+
+DistEngine::DistEngine(
+    rpc::Runtime& runtime,
+    std::weak_ptr<ContextContainer> container)
+    : runtime_(runtime),
+      agent_(runtime.agent()),
+      container_(std::move(container)),
+      selfId_(runtime.self().id) {}
+
+void DistEngine::registerWithAgent() {
+  std::weak_ptr<DistEngine> weak = weak_from_this();
+  auto bind = [weak](FuturePtr (DistEngine::*handler)(rpc::Request &&)) {
+    return [weak, handler](rpc::Request&& request) -> FuturePtr {
+      auto self = weak.lock();
+      if (!self) {
+        return failedFuture(rpc::makeRpcError(
+            rpc::ErrorCode::kShuttingDown,
+            "",
+            kWhat,
+            request.id,
+            "the distributed autograd layer is gone"));
+      }
+      return ((*self).*handler)(std::move(request));
+    };
+  };
+  agent_.registerHandler(
+      kDiscoverKind,
+      "autograd.discover",
+      bind(&DistEngine::onDiscover));
+  agent_.registerHandler(
+      kGradientsKind,
+      "autograd.gradients",
+      bind(&DistEngine::onGradients));
+  agent_.registerHandler(
+      kAwaitKind,
+      "autograd.await",
+      bind(&DistEngine::onAwait));
+  agent_.registerHandler(
+      kAbortKind,
+      "autograd.abort",
+      bind(&DistEngine::onAbort));
+  agent_.registerHandler(
+      kBackwardOnOwnerKind,
+      "autograd.backwardOnOwner",
+      bind(&DistEngine::onBackwardOnOwner));
+}
+
+std::string DistEngine::workerName(int64_t id) const {
+  try {
+    return agent_.resolve(rpc::WorkerRef(id)).name;
+  } catch (const std::exception&) {
+    return "worker id " + std::to_string(id);
+  }
+}
+
+std::chrono::milliseconds DistEngine::deadlineOf(
+    const BackwardOptions& options) const {
+  return options.deadline.count() > 0 ? options.deadline
+                                      : runtime_.options().defaultTimeout;
+}
+
+std::shared_ptr<DistContext> DistEngine::contextOrThrow(
+    int64_t contextId) const {
+  auto container = container_.lock();
+  auto context = container ? container->find(contextId) : nullptr;
+  if (!context) {
+    throw rpc::RpcError(
+        rpc::ErrorCode::kBadArguments,
+        runtime_.self().name,
+        kWhat,
+        0,
+        "no distributed autograd context " + std::to_string(contextId) +
+            " on this worker (released, or never joined)");
+  }
+  return context;
+}
+
+size_t DistEngine::livePasses() const {
+  auto container = container_.lock();
+  return container ? container->counters().livePasses : 0;
+}
+
+std::shared_ptr<LocalBackward> DistEngine::createPass(
+    const std::shared_ptr<DistContext>& context,
+    int64_t passId,
+    bool retainGraph) {
+  std::weak_ptr<DistEngine> weakEngine = weak_from_this();
+  std::weak_ptr<DistContext> weakContext = context;
+  int64_t contextId = context->id();
+  // The pass reaches itself through a weak pointer: its callbacks are
+  // members of it.
+  auto weakPass = std::make_shared<std::weak_ptr<LocalBackward>>();
+  auto pass = std::make_shared<LocalBackward>(
+      contextId,
+      passId,
+      runtime_.self().name,
+      retainGraph,
+      [weakEngine, weakPass, contextId](
+          const std::shared_ptr<RecvFunction>& recv,
+          torch::autograd::variable_list grads) {
+        auto engine = weakEngine.lock();
+        auto pass = weakPass->lock();
+        if (engine && pass) {
+          engine->sendGradients(contextId, pass, recv, std::move(grads));
+        }
+      },
+      [weakContext](std::vector<std::pair<at::Tensor, at::Tensor>> leaves) {
+        if (auto context = weakContext.lock()) {
+          context->accumulateGradients(std::move(leaves));
+        }
+      });
+  *weakPass = pass;
+  context->addPass(pass);
+  return pass;
+}
+
+// ---- D1, D2, E1, E4 on the driver -------------------------------------------
+
+FuturePtr DistEngine::backward(
+    int64_t contextId,
+    const std::vector<at::Tensor>& roots,
+    const std::vector<at::Tensor>& grads,
+    const BackwardOptions& options) {
+  auto container = container_.lock();
+  auto context = container ? container->find(contextId) : nullptr;
+  TORCH_CHECK(
+      context,
+      "no distributed autograd context ",
+      contextId,
+      " on worker '",
+      runtime_.self().name,
+      "' (released, or never joined)");
+  TORCH_CHECK(!roots.empty(), "distributed backward needs at least one root");
+  TORCH_CHECK(
+      grads.empty() || grads.size() == roots.size(),
+      "distributed backward got ",
+      roots.size(),
+      " roots and ",
+      grads.size(),
+      " gradients");
+  // D1.
+  torch::autograd::edge_list edges;
+  torch::autograd::variable_list rootGrads;
+  for (size_t i = 0; i < roots.size(); ++i) {
+    const auto& root = roots[i];
+    TORCH_CHECK(root.defined(), "root ", i, " of backward is undefined");
+    TORCH_CHECK(
+        root.requires_grad(),
+        "root ",
+        i,
+        " of backward does not require grad and has no grad_fn");
+    at::Tensor grad = grads.empty() ? at::Tensor() : grads[i];
+    if (grad.defined()) {
+      TORCH_CHECK(
+          grad.sizes() == root.sizes(),
+          "the gradient of root ",
+          i,
+          " has sizes ",
+          grad.sizes(),
+          " but the root has sizes ",
+          root.sizes());
+      grad = grad.detach();
+    } else {
+      TORCH_CHECK(
+          root.numel() == 1,
+          "root ",
+          i,
+          " has ",
+          root.numel(),
+          " elements: pass its gradient (it is implicit only for "
+          "one-element roots)");
+      grad = at::ones_like(root, at::MemoryFormat::Preserve);
+    }
+    edges.push_back(torch::autograd::impl::gradient_edge(root));
+    rootGrads.push_back(std::move(grad));
+  }
+  auto deadline = deadlineOf(options);
+  auto startedAt = std::chrono::steady_clock::now();
+  int64_t passId = (selfId_ << kIdShift) | nextPassId_.fetch_add(1);
+  auto pass = createPass(context, passId, options.retainGraph);
+  LocalBackward::NewlyReached reached;
+  try {
+    reached = pass->addRoots(edges, std::move(rootGrads));
+  } catch (...) {
+    context->removePass(passId);
+    throw;
+  }
+
+  auto result = c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get());
+  auto workers = std::make_shared<std::vector<int64_t>>();
+  std::weak_ptr<DistEngine> weak = weak_from_this();
+  auto remaining = [startedAt, deadline]() {
+    auto left = deadline -
+        std::chrono::duration_cast<std::chrono::milliseconds>(
+                    std::chrono::steady_clock::now() - startedAt);
+    return std::max(left, std::chrono::milliseconds(1));
+  };
+  // E4: the first error ends the pass everywhere.
+  auto fail = [weak, result, contextId, passId, workers, deadline](
+                  std::exception_ptr error) {
+    auto self = weak.lock();
+    if (!self) {
+      result->setError(error);
+      return;
+    }
+    self->abortPass(contextId, passId, workers, error, deadline)
+        ->addCallback([result](c10::ivalue::Future& aborted) {
+          result->setError(aborted.exception_ptr());
+        });
+  };
+  std::weak_ptr<DistContext> weakContext = context;
+  auto finish = [weakContext, result, passId, fail](c10::ivalue::Future& all) {
+    if (all.hasError()) {
+      fail(all.exception_ptr());
+      return;
+    }
+    if (auto context = weakContext.lock()) {
+      context->removePass(passId);
+    }
+    result->markCompleted(c10::IValue());
+  };
+
+  FuturePtr found;
+  try {
+    found =
+        discover(contextId, passId, options.retainGraph, reached, remaining());
+  } catch (...) {
+    fail(std::current_exception());
+    return result;
+  }
+  found->addCallback(
+      [weak, pass, workers, contextId, passId, remaining, fail, finish](
+          c10::ivalue::Future& discovered) {
+        auto self = weak.lock();
+        if (discovered.hasError() || !self) {
+          fail(
+              discovered.hasError() ? discovered.exception_ptr()
+                                    : rpc::makeRpcError(
+                                          rpc::ErrorCode::kShuttingDown,
+                                          "",
+                                          kWhat,
+                                          0,
+                                          "the runtime is gone"));
+          return;
+        }
+        std::set<int64_t> reachedWorkers;
+        for (const auto& id : discovered.value().toIntList()) {
+          if (id != self->selfId_) {
+            reachedWorkers.insert(id);
+          }
+        }
+        workers->assign(reachedWorkers.begin(), reachedWorkers.end());
+        // E1.
+        std::vector<FuturePtr> parts{pass->done()};
+        std::string body = passRef(contextId, passId).SerializeAsString();
+        for (int64_t worker : *workers) {
+          rpc::OutgoingRequest request;
+          request.kind = kAwaitKind;
+          request.body = body;
+          request.what = kWhat;
+          request.timeout = remaining();
+          parts.push_back(
+              self->agent_.send(rpc::WorkerRef(worker), std::move(request)));
+        }
+        pass->start();
+        firstErrorOrAll(parts)->addCallback(finish);
+      });
+  return result;
+}
+
+FuturePtr DistEngine::discover(
+    int64_t contextId,
+    int64_t passId,
+    bool retainGraph,
+    const LocalBackward::NewlyReached& newlyReached,
+    std::chrono::milliseconds timeout) {
+  auto context = contextOrThrow(contextId);
+  auto pass = context->findPass(passId);
+  TORCH_CHECK(pass, describePass(contextId, passId), " ended");
+  // Sends to this worker itself are marked here, without a message.
+  LocalBackward::NewlyReached reached = newlyReached;
+  for (auto self = reached.find(selfId_); self != reached.end();
+       self = reached.find(selfId_)) {
+    std::vector<std::shared_ptr<SendFunction>> sends;
+    for (int64_t messageId : self->second) {
+      auto send = context->findSend(messageId);
+      TORCH_CHECK(send, "no send #", messageId, " here");
+      sends.push_back(std::move(send));
+    }
+    reached.erase(self);
+    for (auto& entry : pass->markSends(sends)) {
+      auto& ids = reached[entry.first];
+      ids.insert(ids.end(), entry.second.begin(), entry.second.end());
+    }
+  }
+  std::vector<FuturePtr> answers;
+  for (const auto& entry : reached) {
+    wire::Discover message;
+    *message.mutable_pass() = passRef(contextId, passId);
+    message.set_retain_graph(retainGraph);
+    message.set_timeout_ms(timeout.count());
+    for (int64_t id : entry.second) {
+      message.add_message_ids(id);
+    }
+    rpc::OutgoingRequest request;
+    request.kind = kDiscoverKind;
+    request.body = message.SerializeAsString();
+    request.what = kWhat;
+    request.timeout = timeout;
+    answers.push_back(
+        agent_.send(rpc::WorkerRef(entry.first), std::move(request)));
+  }
+  auto found = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+  int64_t selfId = selfId_;
+  firstErrorOrAll(answers)->addCallback(
+      [found, selfId](c10::ivalue::Future& all) {
+        if (all.hasError()) {
+          found->setError(all.exception_ptr());
+          return;
+        }
+        std::set<int64_t> workers{selfId};
+        for (const c10::IValue& answer : all.value().toListRef()) {
+          for (int64_t id : answer.toIntList()) {
+            workers.insert(id);
+          }
+        }
+        found->markCompleted(c10::List<int64_t>(
+            std::vector<int64_t>(workers.begin(), workers.end())));
+      });
+  return found;
+}
+
+void DistEngine::sendGradients(
+    int64_t contextId,
+    const std::shared_ptr<LocalBackward>& pass,
+    const std::shared_ptr<RecvFunction>& recv,
+    torch::autograd::variable_list grads) {
+  wire::Gradients message;
+  *message.mutable_pass() = passRef(contextId, pass->passId());
+  message.set_message_id(recv->messageId());
+  rpc::OutgoingRequest request;
+  request.kind = kGradientsKind;
+  request.body = message.SerializeAsString();
+  request.what = kWhat;
+  request.timeout = runtime_.options().defaultTimeout;
+  for (auto& grad : grads) {
+    request.values.emplace_back(
+        grad.defined() ? c10::IValue(std::move(grad)) : c10::IValue());
+  }
+  pass->addUnacknowledged();
+  std::weak_ptr<LocalBackward> weakPass = pass;
+  int64_t messageId = recv->messageId();
+  std::string to = workerName(recv->fromWorker());
+  std::string self = runtime_.self().name;
+  agent_.send(rpc::WorkerRef(recv->fromWorker()), std::move(request))
+      ->addCallback([weakPass, messageId, to, self](c10::ivalue::Future& sent) {
+        auto pass = weakPass.lock();
+        if (!pass) {
+          return;
+        }
+        if (sent.hasError()) {
+          pass->fail(rpc::makeRpcError(
+              rpc::ErrorCode::kWorkerUnavailable,
+              to,
+              kWhat,
+              0,
+              "the gradients of send #" + std::to_string(messageId) + " (" +
+                  to + " -> " + self + ") could not be delivered to " + to +
+                  ": " + rpc::describeException(sent.exception_ptr())));
+        }
+        pass->acknowledged();
+      });
+}
+
+FuturePtr DistEngine::abortPass(
+    int64_t contextId,
+    int64_t passId,
+    std::shared_ptr<std::vector<int64_t>> workers,
+    std::exception_ptr error,
+    std::chrono::milliseconds deadline) {
+  // Everything still waiting: (worker waiting, message id, worker that
+  // owed the gradients).
+  struct Waiting {
+    std::mutex mutex;
+    std::vector<std::string> lines;
+  };
+  auto waiting = std::make_shared<Waiting>();
+  auto names = std::make_shared<std::vector<std::string>>();
+  for (const auto& worker : agent_.workers()) {
+    names->push_back(worker.name);
+  }
+  auto describeWaiting = [names](int64_t at, int64_t messageId, int64_t from) {
+    auto name = [&names](int64_t id) {
+      return id >= 0 && id < static_cast<int64_t>(names->size())
+          ? (*names)[id]
+          : "worker id " + std::to_string(id);
+    };
+    return "send #" + std::to_string(messageId) + " (" + name(at) + " -> " +
+        name(from) + ") on " + name(at) + " never got its gradient from " +
+        name(from);
+  };
+  std::string reason = rpc::describeException(error);
+  if (auto container = container_.lock()) {
+    if (auto context = container->find(contextId)) {
+      if (auto pass = context->findPass(passId)) {
+        for (const auto& entry : pass->waitingSends()) {
+          waiting->lines.push_back(
+              describeWaiting(selfId_, entry.first, entry.second));
+        }
+        pass->fail(error);
+        context->removePass(passId);
+      }
+    }
+  }
+  std::vector<FuturePtr> answers;
+  wire::Abort message;
+  *message.mutable_pass() = passRef(contextId, passId);
+  message.set_reason(reason);
+  std::string body = message.SerializeAsString();
+  for (int64_t worker : *workers) {
+    rpc::OutgoingRequest request;
+    request.kind = kAbortKind;
+    request.body = body;
+    request.what = kWhat;
+    request.timeout =
+        std::min(kAbortTimeout, runtime_.options().defaultTimeout);
+    auto answer = agent_.send(rpc::WorkerRef(worker), std::move(request));
+    answer->addCallback(
+        [waiting, worker, describeWaiting](c10::ivalue::Future& done) {
+          if (done.hasError()) {
+            return;
+          }
+          auto pairs = done.value().toIntList();
+          std::lock_guard<std::mutex> guard(waiting->mutex);
+          for (size_t i = 0; i + 1 < pairs.size(); i += 2) {
+            waiting->lines.push_back(
+                describeWaiting(worker, pairs.get(i), pairs.get(i + 1)));
+          }
+        });
+    answers.push_back(answer);
+  }
+  auto result = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+  std::weak_ptr<ContextContainer> container = container_;
+  std::string selfName = runtime_.self().name;
+  allSettled(answers)->addCallback([result,
+                                    waiting,
+                                    error,
+                                    container,
+                                    contextId,
+                                    passId,
+                                    deadline,
+                                    selfName](c10::ivalue::Future&) {
+    std::exception_ptr final = error;
+    try {
+      std::rethrow_exception(error);
+    } catch (const rpc::RpcError& e) {
+      if (e.code() == rpc::ErrorCode::kTimeout) {
+        std::lock_guard<std::mutex> guard(waiting->mutex);
+        std::ostringstream text;
+        text << "distributed backward (" << describePass(contextId, passId)
+             << ") did not finish within " << deadline.count() << " ms";
+        if (waiting->lines.empty()) {
+          text << "; " << e.what();
+        }
+        for (const auto& line : waiting->lines) {
+          text << "; " << line;
+        }
+        final = rpc::makeRpcError(
+            rpc::ErrorCode::kTimeout,
+            e.worker(),
+            kWhat,
+            0,
+            text.str());
+      }
+    } catch (...) {
+    }
+    auto self = container.lock();
+    if (!self) {
+      result->setError(final);
+      return;
+    }
+    // E4: a failed pass releases its context everywhere.
+    self->releaseAsync(contextId)->addCallback(
+        [result, final](c10::ivalue::Future&) { result->setError(final); });
+  });
+  return result;
+}
+
+FuturePtr DistEngine::backwardOnOwner(
+    int64_t contextId,
+    const c10::IValue& root,
+    const BackwardOptions& options) {
+  auto rref = rref::RRef<at::Tensor>::fromIValue(root);
+  if (rref.isOwner()) {
+    return backward(contextId, {rref.localValue()}, {}, options);
+  }
+  wire::BackwardOnOwner message;
+  message.set_context_id(contextId);
+  message.set_retain_graph(options.retainGraph);
+  message.set_deadline_ms(deadlineOf(options).count());
+  rpc::OutgoingRequest request;
+  request.kind = kBackwardOnOwnerKind;
+  request.body = message.SerializeAsString();
+  request.values.push_back(root);
+  request.what = kWhat;
+  // The owner's pass has the deadline; its answer may take a little more.
+  request.timeout =
+      deadlineOf(options) + kAbortTimeout + runtime_.options().defaultTimeout;
+  return agent_.send(rpc::WorkerRef(rref.owner()), std::move(request));
+}
+
+// ---- handlers
+// -----------------------------------------------------------------
+
+FuturePtr DistEngine::onDiscover(rpc::Request&& request) {
+  auto message = parseOrThrow<wire::Discover>(request, "autograd.discover");
+  int64_t contextId = message.pass().context_id();
+  int64_t passId = message.pass().pass_id();
+  auto context = contextOrThrow(contextId);
+  auto pass = context->findPass(passId);
+  if (!pass) {
+    pass = createPass(context, passId, message.retain_graph());
+  }
+  LocalBackward::NewlyReached reached;
+  reached[selfId_].assign(
+      message.message_ids().begin(),
+      message.message_ids().end());
+  auto timeout =
+      std::chrono::milliseconds(std::max<int64_t>(1, message.timeout_ms()));
+  return discover(contextId, passId, message.retain_graph(), reached, timeout);
+}
+
+FuturePtr DistEngine::onGradients(rpc::Request&& request) {
+  auto message = parseOrThrow<wire::Gradients>(request, "autograd.gradients");
+  int64_t contextId = message.pass().context_id();
+  int64_t passId = message.pass().pass_id();
+  auto context = contextOrThrow(contextId);
+  auto pass = context->findPass(passId);
+  if (!pass) {
+    throw rpc::RpcError(
+        rpc::ErrorCode::kBadArguments,
+        runtime_.self().name,
+        kWhat,
+        request.id,
+        describePass(contextId, passId) + " is not running here");
+  }
+  torch::autograd::variable_list grads;
+  for (auto& value : request.values) {
+    if (value.isNone()) {
+      grads.emplace_back();
+    } else if (value.isTensor()) {
+      grads.push_back(std::move(value).toTensor());
+    } else {
+      throw rpc::RpcError(
+          rpc::ErrorCode::kBadArguments,
+          runtime_.self().name,
+          kWhat,
+          request.id,
+          "gradients must be tensors or None, got " + value.tagKind());
+    }
+  }
+  try {
+    pass->deliver(message.message_id(), std::move(grads));
+  } catch (...) {
+    pass->fail(std::current_exception());
+    throw;
+  }
+  return readyFuture();
+}
+
+FuturePtr DistEngine::onAwait(rpc::Request&& request) {
+  auto message = parseOrThrow<wire::PassRef>(request, "autograd.await");
+  auto context = contextOrThrow(message.context_id());
+  auto pass = context->findPass(message.pass_id());
+  if (!pass) {
+    throw rpc::RpcError(
+        rpc::ErrorCode::kBadArguments,
+        runtime_.self().name,
+        kWhat,
+        request.id,
+        describePass(message.context_id(), message.pass_id()) +
+            " is not running here");
+  }
+  auto answer = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+  std::weak_ptr<DistContext> weakContext = context;
+  int64_t passId = message.pass_id();
+  pass->done()->addCallback(
+      [answer, weakContext, passId](c10::ivalue::Future& done) {
+        if (auto context = weakContext.lock()) {
+          context->removePass(passId);
+        }
+        if (done.hasError()) {
+          answer->setError(done.exception_ptr());
+        } else {
+          answer->markCompleted(c10::IValue());
+        }
+      });
+  return answer;
+}
+
+FuturePtr DistEngine::onAbort(rpc::Request&& request) {
+  auto message = parseOrThrow<wire::Abort>(request, "autograd.abort");
+  std::vector<int64_t> pairs;
+  auto container = container_.lock();
+  auto context =
+      container ? container->find(message.pass().context_id()) : nullptr;
+  auto pass = context ? context->findPass(message.pass().pass_id()) : nullptr;
+  if (pass) {
+    for (const auto& entry : pass->waitingSends()) {
+      pairs.push_back(entry.first);
+      pairs.push_back(entry.second);
+    }
+    pass->fail(rpc::makeRpcError(
+        rpc::ErrorCode::kRemoteException,
+        request.from.name,
+        kWhat,
+        0,
+        "the pass was aborted: " + message.reason()));
+    context->removePass(message.pass().pass_id());
+  }
+  return readyFuture(c10::List<int64_t>(pairs));
+}
+
+FuturePtr DistEngine::onBackwardOnOwner(rpc::Request&& request) {
+  auto message =
+      parseOrThrow<wire::BackwardOnOwner>(request, "autograd.backwardOnOwner");
+  if (request.values.size() != 1 || !request.values[0].isRRef()) {
+    throw rpc::RpcError(
+        rpc::ErrorCode::kBadArguments,
+        runtime_.self().name,
+        kWhat,
+        request.id,
+        "backward on an RRef's owner takes one RRef");
+  }
+  auto container = container_.lock();
+  TORCH_CHECK(container, "the distributed autograd layer is gone");
+  // The owner may not have joined the context yet (its loss may be local).
+  container->join(message.context_id());
+  BackwardOptions options;
+  options.retainGraph = message.retain_graph();
+  options.deadline =
+      std::chrono::milliseconds(std::max<int64_t>(1, message.deadline_ms()));
+  auto rref = rref::RRef<at::Tensor>::fromIValue(request.values[0]);
+  return backward(message.context_id(), {rref.localValue()}, {}, options);
+}
+
+} // namespace autograd
+} // namespace torchrpc

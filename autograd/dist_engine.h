@@ -1,0 +1,177 @@
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "autograd/dist_context.h"
+#include "autograd/local_backward.h"
+#include "rpc/runtime.h"
+
+namespace torchrpc {
+namespace autograd {
+
+class ContextContainer;
+
+// Message kinds of the backward pass (see kReleaseContextKind).
+constexpr uint32_t kDiscoverKind = 33;
+constexpr uint32_t kGradientsKind = 34;
+constexpr uint32_t kAwaitKind = 35;
+constexpr uint32_t kAbortKind = 36;
+constexpr uint32_t kBackwardOnOwnerKind = 37;
+
+// Options of one distributed backward pass.
+struct BackwardOptions {
+  // Keep the graph's saved tensors so that the context can run backward
+  // again (the gradients of both passes add up in the context).
+  bool retainGraph = false;
+  // The whole pass must finish within this; zero means the runtime's
+  // Options::defaultTimeout.
+  std::chrono::milliseconds deadline{0};
+};
+
+// Note [Distributed backward]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Background: the forward pass left, on each worker of a context, pieces of
+// libtorch's autograd graph joined across workers by send/recv pairs (see
+// Note [Distributed autograd recording]): a RecvFunction on the receiver
+// stands for the tensors' history on the sender, whose SendFunction's next
+// edges lead into it. Together the pieces form one acyclic graph (every
+// edge points from a later computation to an earlier one), even when
+// messages go back and forth between two workers.
+//
+// libtorch's engine runs a local graph from chosen edges, but it decides
+// which nodes to run per execute() call: a node reached from two places
+// whose gradients become available at different times (say, a local root
+// and a gradient that comes back through another worker) would run twice
+// with partial gradients, or wait forever. So each worker schedules its
+// part of the pass itself, with dependency counts over the whole
+// distributed graph, and runs each node through its public interface
+// (Node::operator(), with the hooks libtorch's engine runs).
+//
+// A pass is driven by one worker (the one backward() is called on; for an
+// RRef root, the RRef's owner). Steps:
+//  D1. The driver checks the roots and their gradients (an implicit 1 for
+//      one-element roots) and takes each root's gradient edge.
+//  D2. Discovery. Each worker walks its graph from what the pass reaches
+//      there (the roots on the driver; marked sends elsewhere), counting
+//      for every node it reaches the edges that reach it. A RecvFunction
+//      ends the walk; its sender is sent kDiscover naming the send, which
+//      marks it (one gradient message will come for it) and walks on from
+//      it. A worker answers kDiscover when the workers its walk reached
+//      have answered. Each send is marked, and each node walked, at most
+//      once per pass, so discovery ends; when the driver's kDiscover calls
+//      have all been answered, every worker knows all it will receive.
+//  E1. The driver sends kAwait to every worker discovery reached and
+//      delivers the roots' gradients.
+//  E2. A node runs when its count reaches zero, with the sum of the
+//      gradients that reached it; its outputs go along its next edges. A
+//      marked send counts its gradient message; a RecvFunction whose count
+//      reaches zero sends its gradients to its sender (kGradients); a leaf
+//      (AccumulateGrad, never run) collects its gradient for the context.
+//  E3. A worker's part is done when every send marked there got its
+//      gradients, nothing is ready to run, and every gradient message it
+//      sent was answered (the receiver has taken it). Its leaves' gradients
+//      then pass the leaves' hooks and are added to the context's
+//      gradients, and its kAwait is answered.
+//  E4. The pass ends when the driver's own part and every kAwait are done.
+//      On the first error anywhere — a node or hook that throws, refused or
+//      undeliverable gradients, a worker that dies, the deadline — the
+//      driver sends kAbort to every worker reached (each answers with the
+//      sends it still waited for), releases the context everywhere, and the
+//      pass fails with that error.
+//
+// Guarantees:
+//  G1. Exact: every node a pass reaches runs exactly once, after all its
+//      gradients arrived, so gradients equal single-process autograd (up to
+//      the order in which three or more gradients of one input are added).
+//  G2. Nothing waits for what cannot come: a RecvFunction the roots do not
+//      reach is never discovered, so its send (an output that never reached
+//      the loss) is not waited for.
+//  G3. Bounded: the pass completes, successfully or with an error naming
+//      the worker and cause, within its deadline (plus the bounded time to
+//      abort and release); on expiry the error names every send/recv pair
+//      whose gradient never came.
+//  G4. Gradients never touch .grad: each worker adds its leaves' gradients
+//      to its context (getGradients), so contexts never mix.
+//
+// Limits: create_graph (higher order gradients through the distributed
+// graph) is not supported. A pass holds the nodes it reaches until it ends.
+class DistEngine : public std::enable_shared_from_this<DistEngine> {
+ public:
+  DistEngine(rpc::Runtime& runtime, std::weak_ptr<ContextContainer> container);
+
+  // Registers the message kinds above (before start()).
+  void registerWithAgent();
+
+  // Runs a pass in context `contextId` from `roots` (with `grads`, or an
+  // implicit 1 for one-element roots). Throws c10::Error for misuse found
+  // before anything is sent; every later failure completes the future with
+  // an rpc::RpcError.
+  c10::intrusive_ptr<c10::ivalue::Future> backward(
+      int64_t contextId,
+      const std::vector<at::Tensor>& roots,
+      const std::vector<at::Tensor>& grads,
+      const BackwardOptions& options);
+
+  // Runs a pass on the owner of `root` (an RRef of a tensor, as an IValue).
+  c10::intrusive_ptr<c10::ivalue::Future> backwardOnOwner(
+      int64_t contextId,
+      const c10::IValue& root,
+      const BackwardOptions& options);
+
+  // Passes not yet ended on this worker, over all contexts.
+  size_t livePasses() const;
+
+ private:
+  std::chrono::milliseconds deadlineOf(const BackwardOptions& options) const;
+  std::shared_ptr<DistContext> contextOrThrow(int64_t contextId) const;
+  std::shared_ptr<detail::LocalBackward> createPass(
+      const std::shared_ptr<DistContext>& context,
+      int64_t passId,
+      bool retainGraph);
+  // D2: sends kDiscover for what a walk newly reached; the future's value
+  // is the list of worker ids reached.
+  c10::intrusive_ptr<c10::ivalue::Future> discover(
+      int64_t contextId,
+      int64_t passId,
+      bool retainGraph,
+      const detail::LocalBackward::NewlyReached& reached,
+      std::chrono::milliseconds timeout);
+  void sendGradients(
+      int64_t contextId,
+      const std::shared_ptr<detail::LocalBackward>& pass,
+      const std::shared_ptr<RecvFunction>& recv,
+      torch::autograd::variable_list grads);
+  // E4 on failure.
+  c10::intrusive_ptr<c10::ivalue::Future> abortPass(
+      int64_t contextId,
+      int64_t passId,
+      std::shared_ptr<std::vector<int64_t>> workers,
+      std::exception_ptr error,
+      std::chrono::milliseconds deadline);
+
+  c10::intrusive_ptr<c10::ivalue::Future> onDiscover(rpc::Request&& request);
+  c10::intrusive_ptr<c10::ivalue::Future> onGradients(rpc::Request&& request);
+  c10::intrusive_ptr<c10::ivalue::Future> onAwait(rpc::Request&& request);
+  c10::intrusive_ptr<c10::ivalue::Future> onAbort(rpc::Request&& request);
+  c10::intrusive_ptr<c10::ivalue::Future> onBackwardOnOwner(
+      rpc::Request&& request);
+
+  std::string workerName(int64_t id) const;
+
+  rpc::Runtime& runtime_;
+  rpc::Agent& agent_;
+  const std::weak_ptr<ContextContainer> container_;
+  const int64_t selfId_;
+  std::atomic<int64_t> nextPassId_{1};
+};
+
+} // namespace autograd
+} // namespace torchrpc

@@ -1,0 +1,483 @@
+// Tier 2: Note [Distributed backward] (autograd/dist_engine.h) with several
+// workers in one process, over the in-process and TCP transports. Every
+// gradient is compared with plain libtorch autograd on the same program.
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "autograd/backward.h"
+#include "autograd/context.h"
+#include "autograd/context_container.h"
+#include "rref/rref.h"
+#include "rref/rref_context.h"
+#include "tests/support/autograd_zoo.h"
+#include "tests/support/local_cluster.h"
+#include "tests/support/zoo_workers.h"
+
+namespace torchrpc {
+namespace testing {
+namespace {
+
+using autograd::ContextContainer;
+using zoo::DistNet;
+using zoo::Net;
+
+// Expects `got` to equal `expected` exactly, or within `tolerance`.
+void expectGradient(
+    const at::Tensor& got,
+    const at::Tensor& expected,
+    double tolerance,
+    const std::string& what) {
+  if (!expected.defined()) {
+    EXPECT_FALSE(got.defined()) << what << " should have no gradient";
+    return;
+  }
+  ASSERT_TRUE(got.defined()) << what << " has no gradient";
+  if (tolerance == 0) {
+    EXPECT_TRUE(at::equal(got, expected))
+        << what << ": got " << got << " expected " << expected;
+  } else {
+    EXPECT_TRUE(at::allclose(got, expected, tolerance, tolerance))
+        << what << ": got " << got << " expected " << expected;
+  }
+}
+
+// A cluster whose workers run the zoo.
+class ZooCluster {
+ public:
+  ZooCluster(TestTransport transport, int worldSize)
+      : nets_(worldSize),
+        cluster_(
+            transport,
+            worldSize,
+            nullptr,
+            [this](int rank, rpc::Runtime& rt) {
+              rref::RRefContext::install(rt);
+              ContextContainer::install(rt);
+              nets_[rank] = std::make_shared<DistNet>(rt);
+              zoo::registerZoo(rt, nets_[rank]);
+              auto net = nets_[rank];
+              rt.functions().add("param", [net](std::string name) {
+                return net->param(name);
+              });
+              rt.functions().add("loss_scalar", [net](at::Tensor x) {
+                return (x * net->param("w")).sum();
+              });
+              rt.functions().add("times", [](at::Tensor value, at::Tensor x) {
+                return value * x;
+              });
+            }) {}
+
+  rpc::Runtime& rt(int rank) {
+    return cluster_[rank];
+  }
+  DistNet& net(int rank) {
+    return *nets_.at(rank);
+  }
+  int size() {
+    return cluster_.size();
+  }
+  bool shutdown() {
+    return cluster_.shutdownAll();
+  }
+  // Every worker has released every context and ended every pass.
+  void expectNothingLeft() {
+    for (int rank = 0; rank < size(); ++rank) {
+      auto counters = ContextContainer::of(rt(rank))->counters();
+      EXPECT_EQ(counters.liveContexts, 0u) << "worker" << rank;
+      EXPECT_EQ(counters.livePasses, 0u) << "worker" << rank;
+    }
+  }
+  // Waits (bounded) until no worker holds a context.
+  bool waitForNoContexts(std::chrono::milliseconds limit) {
+    auto deadline = std::chrono::steady_clock::now() + limit;
+    while (std::chrono::steady_clock::now() < deadline) {
+      size_t live = 0;
+      for (int rank = 0; rank < size(); ++rank) {
+        live += ContextContainer::of(rt(rank))->counters().liveContexts;
+      }
+      if (live == 0) {
+        return true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return false;
+  }
+
+ private:
+  std::vector<std::shared_ptr<DistNet>> nets_;
+  LocalCluster cluster_;
+};
+
+// Runs a zoo case across the cluster and checks every gradient against the
+// local run; returns nothing, fails the test on a difference.
+void runCase(ZooCluster& cluster, const zoo::Case& c) {
+  zoo::LocalWorld local(c.worldSize);
+  auto expected = local.gradients(c);
+  {
+    autograd::Context context(cluster.rt(0));
+    zoo::Roots roots = c.program(cluster.net(0));
+    for (int pass = 0; pass < c.passes; ++pass) {
+      autograd::BackwardOptions options;
+      options.retainGraph = pass + 1 < c.passes;
+      context.backward(roots.roots, roots.grads, options);
+    }
+    for (size_t i = 0; i < c.params.size(); ++i) {
+      const auto& p = c.params[i];
+      auto got = cluster.net(p.first).gradients(context.id(), {p.second});
+      expectGradient(
+          got.at(0),
+          expected[i],
+          c.tolerance,
+          c.name + ": worker" + std::to_string(p.first) + "'s " + p.second);
+      // Never .grad.
+      auto param = cluster.net(p.first).findParam(p.second);
+      ASSERT_TRUE(param.defined());
+      EXPECT_FALSE(param.grad().defined());
+    }
+  }
+  cluster.expectNothingLeft();
+}
+
+// ---- the zoo, per transport
+// --------------------------------------------------
+
+struct ZooParam {
+  TestTransport transport;
+  size_t index;
+};
+
+std::vector<ZooParam> zooParams() {
+  std::vector<ZooParam> params;
+  for (auto transport : {TestTransport::kInProcess, TestTransport::kTcp}) {
+    for (size_t i = 0; i < zoo::cases().size(); ++i) {
+      params.push_back({transport, i});
+    }
+  }
+  return params;
+}
+
+void PrintTo(const ZooParam& param, std::ostream* out) {
+  *out << zoo::cases().at(param.index).name;
+}
+
+class DistributedBackwardZoo : public ::testing::TestWithParam<ZooParam> {};
+
+TEST_P(DistributedBackwardZoo, GradientsEqualLocalAutograd) {
+  const auto& c = zoo::cases().at(GetParam().index);
+  ZooCluster cluster(GetParam().transport, c.worldSize);
+  runCase(cluster, c);
+  EXPECT_TRUE(cluster.shutdown());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases,
+    DistributedBackwardZoo,
+    ::testing::ValuesIn(zooParams()),
+    [](const ::testing::TestParamInfo<ZooParam>& info) {
+      return transportName(::testing::TestParamInfo<TestTransport>(
+                 info.param.transport,
+                 0)) +
+          "_" + zoo::cases().at(info.param.index).name;
+    });
+
+// ---- the rest, per transport
+// --------------------------------------------------
+
+class DistributedBackward : public ::testing::TestWithParam<TestTransport> {
+ protected:
+  void SetUp() override {
+    cluster_ = std::make_unique<ZooCluster>(GetParam(), 3);
+  }
+  void TearDown() override {
+    EXPECT_TRUE(cluster_->shutdown());
+  }
+  rpc::Runtime& rt(int rank) {
+    return cluster_->rt(rank);
+  }
+  DistNet& net(int rank) {
+    return cluster_->net(rank);
+  }
+  std::unique_ptr<ZooCluster> cluster_;
+};
+
+TEST_P(DistributedBackward, ParametersHeldThroughRRefs) {
+  auto x = zoo::input().requires_grad_();
+  {
+    autograd::Context context(rt(0));
+    // Worker1's parameter, fetched; and used on its owner through a proxy.
+    auto held =
+        rref::remote<at::Tensor>(rt(0), "worker1", "param", std::string("w"));
+    auto fetched = held.toHere();
+    auto timesOnOwner = held.rpcSync<at::Tensor>("times", x);
+    auto loss = (fetched * x).sum() + (timesOnOwner * timesOnOwner).sum();
+    context.backward({loss});
+
+    auto w1 = Net::makeParam(1, "w").detach();
+    auto xd = x.detach();
+    auto expectedW1 = xd + 2 * w1 * xd * xd;
+    auto expectedX = w1 + 2 * w1 * w1 * xd;
+    auto onOwner = net(1).gradients(context.id(), {"w"});
+    expectGradient(onOwner.at(0), expectedW1, 1e-6, "worker1's w");
+    expectGradient(context.gradients().at(x), expectedX, 1e-6, "x");
+  }
+  cluster_->expectNothingLeft();
+}
+
+TEST_P(DistributedBackward, BackwardStartedThroughAnRRefOnItsOwner) {
+  auto x = zoo::input().requires_grad_();
+  {
+    autograd::Context context(rt(0));
+    auto y = x * net(0).param("w");
+    auto loss = rref::remote<at::Tensor>(rt(0), "worker1", "loss_scalar", y);
+    context.backwardOnOwner(loss);
+    auto w0 = Net::makeParam(0, "w").detach();
+    auto w1 = Net::makeParam(1, "w").detach();
+    expectGradient(
+        context.gradients().at(net(0).param("w")),
+        x.detach() * w1,
+        0,
+        "worker0's w");
+    expectGradient(context.gradients().at(x), w0 * w1, 0, "x");
+    expectGradient(
+        net(1).gradients(context.id(), {"w"}).at(0),
+        x.detach() * w0,
+        0,
+        "worker1's w");
+  }
+  cluster_->expectNothingLeft();
+}
+
+TEST_P(DistributedBackward, ConcurrentContextsNeverMix) {
+  const auto& chain = zoo::cases().at(0);
+  ASSERT_EQ(chain.name, "ChainAToBToC");
+  constexpr int kThreads = 4;
+  // Thread t scales its input by t + 1; its gradients must be its own.
+  auto programFor = [](int t) {
+    return [t](zoo::Net& n) {
+      auto x = zoo::input() * (t + 1) * n.param("w");
+      auto y = n.run(1, "mul_w", {x}).at(0);
+      auto z = n.run(2, "tanh_w", {y}).at(0);
+      return zoo::Roots{{(z * n.param("v")).sum()}, {}};
+    };
+  };
+  std::vector<std::vector<at::Tensor>> expected;
+  for (int t = 0; t < kThreads; ++t) {
+    zoo::Case c = chain;
+    c.program = programFor(t);
+    zoo::LocalWorld local(3);
+    expected.push_back(local.gradients(c));
+  }
+  std::vector<std::thread> threads;
+  std::atomic<int> passes{0};
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t]() {
+      for (int round = 0; round < 5; ++round) {
+        autograd::Context context(rt(0));
+        auto roots = programFor(t)(net(0));
+        context.backward(roots.roots);
+        for (size_t i = 0; i < chain.params.size(); ++i) {
+          const auto& p = chain.params[i];
+          expectGradient(
+              net(p.first).gradients(context.id(), {p.second}).at(0),
+              expected[t][i],
+              0,
+              "thread " + std::to_string(t) + ": worker" +
+                  std::to_string(p.first) + "'s " + p.second);
+        }
+        ++passes;
+      }
+    });
+  }
+  for (auto& thread : threads) {
+    thread.join();
+  }
+  EXPECT_EQ(passes.load(), kThreads * 5);
+  cluster_->expectNothingLeft();
+}
+
+TEST_P(DistributedBackward, ANodeReachedLocallyAndThroughACycleRunsOnce) {
+  // x's node gets one gradient from the loss and one that comes back
+  // through worker1 and worker0's handler; it must run once, with both.
+  auto program = [](zoo::Net& n) {
+    auto x = zoo::CountingBackward::apply(zoo::input() * n.param("w"));
+    auto y = n.run(1, "relay", {x}, {0}).at(0);
+    return zoo::Roots{{(y + x * x).sum()}, {}};
+  };
+  zoo::Case c{"CountedCycle", 2, program, {{0, "w"}, {1, "w"}}};
+  zoo::CountingBackward::runs() = 0;
+  zoo::LocalWorld local(2);
+  auto expected = local.gradients(c);
+  ASSERT_EQ(zoo::CountingBackward::runs().load(), 1);
+  zoo::CountingBackward::runs() = 0;
+  {
+    autograd::Context context(rt(0));
+    auto roots = program(net(0));
+    context.backward(roots.roots);
+    EXPECT_EQ(zoo::CountingBackward::runs().load(), 1);
+    for (size_t i = 0; i < c.params.size(); ++i) {
+      expectGradient(
+          net(c.params[i].first)
+              .gradients(context.id(), {c.params[i].second})
+              .at(0),
+          expected[i],
+          0,
+          "worker" + std::to_string(c.params[i].first) + "'s w");
+    }
+  }
+  cluster_->expectNothingLeft();
+}
+
+TEST_P(DistributedBackward, HostileBackwardMessagesNeverCrashAWorker) {
+  std::mt19937 random(7);
+  auto& agent = rt(1).agent();
+  for (uint32_t kind = autograd::kDiscoverKind;
+       kind <= autograd::kBackwardOnOwnerKind;
+       ++kind) {
+    for (int i = 0; i < 200; ++i) {
+      rpc::OutgoingRequest request;
+      request.kind = kind;
+      request.body.resize(random() % 48);
+      for (auto& byte : request.body) {
+        byte = static_cast<char>(random());
+      }
+      switch (random() % 4) {
+        case 0:
+          request.values.emplace_back(at::randn({3}));
+          break;
+        case 1:
+          request.values.emplace_back(c10::List<int64_t>({1, 2}));
+          break;
+        case 2:
+          request.values.emplace_back();
+          break;
+        default:
+          break;
+      }
+      request.what = "fuzz";
+      request.timeout = std::chrono::seconds(10);
+      auto answer = agent.send(rpc::WorkerRef(0), std::move(request));
+      answer->wait();
+      if (answer->hasError()) {
+        try {
+          std::rethrow_exception(answer->exception_ptr());
+        } catch (const rpc::RpcError& e) {
+          EXPECT_NE(e.code(), rpc::ErrorCode::kTimeout) << e.what();
+          EXPECT_NE(e.code(), rpc::ErrorCode::kInternal) << e.what();
+        }
+      }
+    }
+  }
+  // Worker0 still drives and serves passes.
+  autograd::Context context(rt(0));
+  auto x = zoo::input() * net(0).param("w");
+  auto y = net(0).run(1, "mul_w", {x}).at(0);
+  context.backward({y.sum()});
+  expectGradient(
+      context.gradients().at(net(0).param("w")),
+      zoo::input() * Net::makeParam(1, "w").detach(),
+      0,
+      "worker0's w");
+}
+
+TEST_P(DistributedBackward, ANodeThatThrowsFailsThePassWithTheRemoteCause) {
+  {
+    autograd::Context context(rt(0));
+    auto x = zoo::input() * net(0).param("w");
+    auto y = net(0).run(1, "explode", {x}).at(0);
+    auto z = net(0).run(2, "mul_w", {x}).at(0);
+    expectRpcErrorFrom(
+        [&]() { context.backward({(y + z).sum()}); },
+        rpc::ErrorCode::kRemoteException,
+        "worker1",
+        {"exploding backward, on purpose", "autograd.backward"});
+    // The failed pass released the context on every worker.
+    EXPECT_TRUE(cluster_->waitForNoContexts(std::chrono::seconds(5)));
+  }
+  cluster_->expectNothingLeft();
+}
+
+TEST_P(DistributedBackward, DeadlineNamesTheSendThatNeverGotItsGradient) {
+  {
+    autograd::Context context(rt(0));
+    auto x = zoo::input() * net(0).param("w");
+    auto y = net(0).run(1, "slow", {x}, {1500}).at(0);
+    autograd::BackwardOptions options;
+    options.deadline = std::chrono::milliseconds(300);
+    auto started = std::chrono::steady_clock::now();
+    expectRpcError(
+        [&]() { context.backward({y.sum()}, options); },
+        rpc::ErrorCode::kTimeout,
+        {"did not finish within 300 ms",
+         "(worker0 -> worker1) on worker0 never got its gradient from "
+         "worker1"});
+    EXPECT_LT(
+        std::chrono::steady_clock::now() - started,
+        std::chrono::seconds(1));
+  }
+  // Worker1's slow node finishes later into a pass that was aborted.
+  EXPECT_TRUE(cluster_->waitForNoContexts(std::chrono::seconds(10)));
+  cluster_->expectNothingLeft();
+}
+
+TEST_P(DistributedBackward, MisuseIsRefusedBeforeAnythingIsSent) {
+  autograd::Context context(rt(0));
+  auto x = zoo::input() * net(0).param("w");
+  auto y = net(0).run(1, "mul_w", {x}).at(0);
+  EXPECT_THROW(
+      {
+        try {
+          context.backward({y});
+        } catch (const c10::Error& e) {
+          EXPECT_NE(
+              std::string(e.what()).find("pass its gradient"),
+              std::string::npos)
+              << e.what();
+          throw;
+        }
+      },
+      c10::Error);
+  EXPECT_THROW(context.backward({zoo::input()}), c10::Error);
+  EXPECT_THROW(context.backward({y.sum()}, {at::ones({2})}), c10::Error);
+  EXPECT_THROW(
+      autograd::backward(rt(0), context.id() + 12345, {y.sum()}),
+      c10::Error);
+  EXPECT_THROW(autograd::getGradients(rt(0), context.id() + 12345), c10::Error);
+  // Nothing ran: a correct pass still works.
+  context.backward({y.sum()});
+  expectGradient(
+      context.gradients().at(net(0).param("w")),
+      zoo::input() * Net::makeParam(1, "w").detach(),
+      0,
+      "worker0's w");
+}
+
+TEST_P(DistributedBackward, ASecondPassWithoutRetainedGraphFailsClearly) {
+  autograd::Context context(rt(0));
+  auto x = zoo::input() * net(0).param("w");
+  auto y = net(0).run(1, "tanh_w", {x}).at(0);
+  auto loss = y.sum();
+  context.backward({loss});
+  expectRpcError(
+      [&]() { context.backward({loss}); },
+      rpc::ErrorCode::kRemoteException,
+      {"backward through the graph a second time"});
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Transports,
+    DistributedBackward,
+    ::testing::Values(TestTransport::kInProcess, TestTransport::kTcp),
+    transportName);
+
+} // namespace
+} // namespace testing
+} // namespace torchrpc
