@@ -3,6 +3,7 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/input_metadata.h>
 #include <torch/version.h>
 
 #include <sstream>
@@ -51,6 +52,44 @@ std::string describeSizes(at::IntArrayRef sizes) {
   std::ostringstream out;
   out << sizes;
   return out.str();
+}
+
+// What libtorch's engine does to a node's outputs before passing them on:
+// reduce a gradient that was broadcast in the forward (a bias added to a
+// batch) to its input's shape, and match the input's dtype and device.
+void validateOutputs(const Node& node, variable_list& grads) {
+  const auto& edges = node.next_edges();
+  TORCH_CHECK(
+      grads.size() == edges.size(),
+      node.name(),
+      " returned ",
+      grads.size(),
+      " gradients for ",
+      edges.size(),
+      " inputs");
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const Edge& edge = edges[i];
+    at::Tensor& grad = grads[i];
+    if (!edge.is_valid() || !grad.defined()) {
+      continue;
+    }
+    const auto& metadata = edge.function->input_metadata(edge.input_nr);
+    if (!metadata.is_same_shape(grad)) {
+      TORCH_CHECK(
+          metadata.is_expandable_to_shape(grad),
+          node.name(),
+          ": ",
+          metadata.incompatible_shape_error_message(i, grad).str());
+      grad = metadata.reduce_grad(grad);
+    }
+    auto dtype = c10::typeMetaToScalarType(metadata.dtype());
+    if (grad.scalar_type() != dtype) {
+      grad = grad.to(dtype);
+    }
+    if (grad.device() != metadata.device()) {
+      grad = grad.to(metadata.device());
+    }
+  }
 }
 
 } // namespace
@@ -285,14 +324,7 @@ variable_list LocalBackward::runNode(Node& node, variable_list inputs) {
   for (const auto& hook : node.post_hooks()) {
     outputs = (*hook)(outputs, inputs);
   }
-  TORCH_CHECK(
-      outputs.size() == node.num_outputs(),
-      node.name(),
-      " returned ",
-      outputs.size(),
-      " gradients for ",
-      node.num_outputs(),
-      " inputs");
+  validateOutputs(node, outputs);
   return outputs;
 }
 

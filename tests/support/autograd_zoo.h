@@ -149,6 +149,14 @@ inline const std::map<std::string, Op>& ops() {
          return std::vector<at::Tensor>{
              (in.at(0) + in.at(1)) * here.param("w")};
        }},
+      // Broadcasts its bias over a batch: the bias's gradient must be
+      // reduced to its shape.
+      {"linear",
+       [](Net& here, std::vector<at::Tensor> in, std::vector<int64_t>) {
+         return std::vector<at::Tensor>{
+             at::linear(in.at(0), here.param("W"), here.param("b")) +
+             here.param("c")};
+       }},
       {"mul",
        [](Net&, std::vector<at::Tensor> in, std::vector<int64_t>) {
          return std::vector<at::Tensor>{in.at(0) * in.at(1)};
@@ -360,6 +368,15 @@ inline std::vector<Case> makeCases() {
        {{0, "W"}, {0, "w"}, {1, "w"}},
        1,
        1e-6});
+  all.push_back(
+      {"BroadcastGradientsAreReduced",
+       2,
+       [](Net& n) {
+         auto batch = at::stack({input(), input() * -2}) * n.param("w");
+         auto y = n.run(1, "linear", {batch}).at(0);
+         return Roots{{(y * y).sum()}, {}};
+       },
+       {{0, "w"}, {1, "W"}, {1, "b"}, {1, "c"}}});
   all.push_back(
       {"AsynchronousHandlers",
        3,
