@@ -367,9 +367,20 @@ void LocalBackward::drain() {
       }
       break;
     }
-    const auto& edges = task.node->next_edges();
-    for (size_t i = 0; i < edges.size(); ++i) {
-      routeLocked(edges[i], std::move(outputs[i]));
+    try {
+      const auto& edges = task.node->next_edges();
+      for (size_t i = 0; i < edges.size(); ++i) {
+        routeLocked(edges[i], std::move(outputs[i]));
+      }
+    } catch (const std::exception& e) {
+      error_ = rpc::makeRpcError(
+          rpc::ErrorCode::kInternal,
+          workerName_,
+          "autograd.backward",
+          0,
+          std::string("routing the gradients of ") + task.node->name() +
+              " failed: " + e.what());
+      break;
     }
   }
   draining_ = false;
