@@ -12,6 +12,7 @@
 #include <string>
 #include <utility>
 
+#include "autograd/backward.h"
 #include "autograd/context.h"
 #include "autograd/context_container.h"
 #include "rpc/errors.h"
