@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the test binaries (rpc/, rref/) with a sanitizer and runs each in one
+# Builds the test binaries (rpc/, rref/, autograd/) with a sanitizer and runs each in one
 # process (every test, one after another: that also exercises start, shutdown
 # and start again of many runtimes in one process).
 #
@@ -24,7 +24,7 @@ if [[ ! -f "${build}/CMakeCache.txt" ]] && command -v ninja >/dev/null; then
 fi
 "${configure[@]}"
 cmake --build "${build}" -j "${jobs}" --target torchrpc_rpc_tests \
-  torchrpc_rref_tests
+  torchrpc_rref_tests torchrpc_autograd_tests
 
 case "${sanitizer}" in
   address)
@@ -43,7 +43,7 @@ case "${sanitizer}" in
     ;;
 esac
 status=0
-for binary in torchrpc_rpc_tests torchrpc_rref_tests; do
+for binary in torchrpc_rpc_tests torchrpc_rref_tests torchrpc_autograd_tests; do
   timeout 1800 "${build}/tests/${binary}" --gtest_filter="${filter}" ||
     status=1
 done
