@@ -240,35 +240,22 @@ def run_rref_churn(quick, ctx):
     return n / dt
 
 
-def _train_iters_local(model, opt, x, n):
-    samples = []
-    for _ in range(n):
-        t0 = _ns()
-        opt.zero_grad(set_to_none=True)
-        loss = model(x).sum()
-        loss.backward()
-        opt.step()
-        samples.append(_ns() - t0)
-    return samples
-
-
-def local_baseline(quick):
-    """Run by worker0 BEFORE init_rpc while worker1 is blocked on an Event."""
-    wl = "dist_autograd_overhead"
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.rand(1, 1024)
-    _train_iters_local(model, opt, x, _it(wl, "warmup", quick))
-    samples = _train_iters_local(model, opt, x, _it(wl, "n", quick))
-    _log_dist("local iter", samples)
-    return statistics.median(samples)
+def _local_iter(model, opt, x):
+    opt.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    opt.step()
 
 
 def run_dist_autograd(quick, ctx):
+    """Local and distributed iterations alternate (TensorPipe's threads run
+    during both); the value is the median of the differences of neighbouring
+    pairs, which cancels the machine's slow drifts."""
     rpc = torch.distributed.rpc
     import torch.distributed.autograd as dist_autograd
     from torch.distributed.optim import DistributedOptimizer
     wl = "dist_autograd_overhead"
+    local_model = make_model()
+    local_opt = torch.optim.SGD(local_model.parameters(), lr=0.01)
     model_rref = rpc.remote("worker1", make_model)
     param_rrefs = rpc.rpc_sync("worker1", model_param_rrefs, args=(model_rref,))
     opt = DistributedOptimizer(torch.optim.SGD, param_rrefs, lr=0.01)
@@ -282,17 +269,21 @@ def run_dist_autograd(quick, ctx):
             opt.step(cid)
 
     for _ in range(_it(wl, "warmup", quick)):
+        _local_iter(local_model, local_opt, x)
         it()
-    samples = []
+    local, dist = [], []
     for _ in range(_it(wl, "n", quick)):
         t0 = _ns()
+        _local_iter(local_model, local_opt, x)
+        local.append(_ns() - t0)
+        t0 = _ns()
         it()
-        samples.append(_ns() - t0)
-    _log_dist("distributed iter", samples)
-    local = ctx["local_median_ns"]
-    d = statistics.median(samples)
-    log(f"distributed median {d / 1e3:.1f} us - local median {local / 1e3:.1f} us")
-    return (d - local) / 1e3
+        dist.append(_ns() - t0)
+    _log_dist("local iter", local)
+    _log_dist("distributed iter", dist)
+    l, d = statistics.median(local), statistics.median(dist)
+    log(f"difference of medians: {d / 1e3:.1f} - {l / 1e3:.1f} = {(d - l) / 1e3:.1f} us")
+    return statistics.median(b - a for a, b in zip(local, dist)) / 1e3
 
 
 DRIVERS = {
@@ -324,7 +315,7 @@ def _log_dist(what, samples_ns):
 torch = None  # imported lazily in workers (parent never needs torch)
 
 
-def worker_main(rank, workload, quick, result_q, ready_q, release_ev, start_ev, w1_idle_ev):
+def worker_main(rank, workload, quick, result_q, ready_q, release_ev):
     global torch
     # Keep stdout clean for the single JSON line printed by the parent.
     os.dup2(2, 1)
@@ -334,18 +325,6 @@ def worker_main(rank, workload, quick, result_q, ready_q, release_ev, start_ev, 
 
     ctx = {}
     try:
-        if workload == "dist_autograd_overhead":
-            # The local baseline runs while worker1 is fully idle: worker1 has
-            # finished importing torch and blocks on start_ev.
-            if rank == 0:
-                if not w1_idle_ev.wait(120):
-                    raise RuntimeError("timed out waiting for worker1 to be idle")
-                ctx["local_median_ns"] = local_baseline(quick)
-                start_ev.set()
-            else:
-                w1_idle_ev.set()
-                if not start_ev.wait(120):
-                    raise RuntimeError("timed out waiting for worker0's local baseline")
         opts = None  # default TensorPipe options unless --tp-transports (experiments only)
         if os.environ.get("PYTORCH_BENCH_TP_TRANSPORTS"):
             opts = rpc.TensorPipeRpcBackendOptions(
@@ -447,10 +426,8 @@ def main():
     result_q = mpc.Queue()
     ready_q = mpc.Queue()
     release_ev = mpc.Event()
-    start_ev = mpc.Event()
-    w1_idle_ev = mpc.Event()
     procs = [mpc.Process(target=worker_main, name=f"worker{r}",
-                         args=(r, wl, args.quick, result_q, ready_q, release_ev, start_ev, w1_idle_ev))
+                         args=(r, wl, args.quick, result_q, ready_q, release_ev))
              for r in range(2)]
     deadline = time.monotonic() + timeout
     value = None
@@ -518,8 +495,6 @@ def main():
         value = None
     finally:
         release_ev.set()
-        start_ev.set()
-        w1_idle_ev.set()
         for p in procs:
             if p.pid is not None and p.exitcode is None:
                 try:

@@ -7,6 +7,7 @@
 //                  [--quick]
 
 #include <ATen/ATen.h>
+#include <torch/torch.h>
 
 #include <fcntl.h>
 #include <poll.h>
@@ -261,6 +262,94 @@ double rrefsPerSecond(Runtime& rt, bool quick) {
 // ---- processes
 // ---------------------------------------------------------------
 
+// ---- dist_autograd_overhead -------------------------------------------------
+
+// torch.manual_seed(0); Sequential of 4 Linear(1024, 1024), as on the
+// PyTorch side.
+torch::nn::Sequential makeModel() {
+  torch::manual_seed(0);
+  torch::nn::Sequential model;
+  for (int i = 0; i < 4; ++i) {
+    model->push_back(torch::nn::Linear(1024, 1024));
+  }
+  return model;
+}
+
+// The model and its optimizer on worker1: forward, and an SGD step with the
+// gradients a distributed backward left in the calling request's context
+// (what a DistributedOptimizer does on each parameter owner).
+void registerModel(Runtime& rt) {
+  auto model = makeModel();
+  auto sgd = std::make_shared<torch::optim::SGD>(
+      model->parameters(),
+      torch::optim::SGDOptions(0.01));
+  rt.functions().add("model_forward", [model](at::Tensor x) mutable {
+    return model->forward(x);
+  });
+  rt.functions().add("sgd_step", [&rt, model, sgd]() {
+    auto contextId = rt.autogradContexts().currentContextId();
+    auto grads = torchrpc::autograd::getGradients(rt, contextId);
+    auto params = model->parameters();
+    for (auto& p : params) {
+      p.mutable_grad() = grads.at(p);
+    }
+    sgd->step();
+    for (auto& p : params) {
+      p.mutable_grad() = at::Tensor();
+    }
+    return true;
+  });
+}
+
+// Local and distributed iterations alternate (worker1 idles, without
+// spinning, during the local ones); the value is the median of the
+// differences of neighbouring pairs, which cancels the machine's slow drifts
+// that a difference of two ~15 ms medians does not.
+double distAutogradOverhead(Runtime& rt, bool quick) {
+  auto model = makeModel();
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.01));
+  auto x = at::rand({1, 1024});
+  auto localIteration = [&]() {
+    for (auto& p : model->parameters()) {
+      p.mutable_grad() = at::Tensor(); // zero_grad(set_to_none=True)
+    }
+    model->forward(x).sum().backward();
+    sgd.step();
+  };
+  auto distributedIteration = [&]() {
+    torchrpc::autograd::Context context(rt);
+    auto out = rt.rpcSync<at::Tensor>("worker1", "model_forward", x);
+    context.backward({out.sum()});
+    rt.rpcSync<bool>("worker1", "sgd_step");
+  };
+  int warmup = quick ? 5 : 20;
+  int timed = quick ? 40 : 200;
+  for (int i = 0; i < warmup; ++i) {
+    localIteration();
+    distributedIteration();
+  }
+  std::vector<double> local;
+  std::vector<double> distributed;
+  std::vector<double> differences;
+  for (int i = 0; i < timed; ++i) {
+    auto start = Clock::now();
+    localIteration();
+    local.push_back(microsSince(start));
+    start = Clock::now();
+    distributedIteration();
+    distributed.push_back(microsSince(start));
+    differences.push_back(distributed.back() - local.back());
+  }
+  double l = median(local);
+  double d = median(distributed);
+  std::cerr << "local iteration: median " << l << " us, min "
+            << *std::min_element(local.begin(), local.end())
+            << " us; distributed: median " << d << " us, min "
+            << *std::min_element(distributed.begin(), distributed.end())
+            << " us; difference of medians " << d - l << " us\n";
+  return median(differences);
+}
+
 // CPU seconds (user + sys, all threads) a process has used.
 double cpuSeconds(pid_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
@@ -311,6 +400,9 @@ int runWorker(
   rt.functions().add("owner_rref_count", [&rt]() {
     return static_cast<int64_t>(rt.rrefs().counters().ownerRRefs);
   });
+  if (s.workload == "dist_autograd_overhead" && rank == 1) {
+    registerModel(rt);
+  }
   rt.start();
   if (s.workload == "idle_cpu_cores") {
     if (rank == 0) {
@@ -334,6 +426,8 @@ int runWorker(
       value = remoteToHereRtt(rt, s.quick);
     } else if (s.workload == "rref_create_delete_per_s") {
       value = rrefsPerSecond(rt, s.quick);
+    } else if (s.workload == "dist_autograd_overhead") {
+      value = distAutogradOverhead(rt, s.quick);
     }
     writeAll(resultFd, &value, sizeof(value));
   }
@@ -352,6 +446,7 @@ int main(int argc, char** argv) {
       {"idle_cpu_cores", {"idle_cpu", "cores", "lower"}},
       {"remote_to_here_rtt", {"median_rtt", "us", "lower"}},
       {"rref_create_delete_per_s", {"rate", "rrefs/s", "higher"}},
+      {"dist_autograd_overhead", {"overhead_per_iter", "us", "lower"}},
   };
   auto known =
       std::find_if(kWorkloads.begin(), kWorkloads.end(), [&](const auto& w) {
