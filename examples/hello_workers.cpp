@@ -1,7 +1,8 @@
 // Three workers in three processes on this host. Each registers a couple of
 // functions; worker0 calls them on the others, synchronously, asynchronously
 // and through a builtin operator, keeps a value on worker2 through a remote
-// reference, then every worker shuts down gracefully.
+// reference, differentiates through calls on worker1 and worker2, then every
+// worker shuts down gracefully.
 //
 // Run it as is: with no RANK in the environment it starts the three workers
 // itself (setting RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torchrun
@@ -64,6 +65,16 @@ int runWorker() {
     }
     std::cout << "a total kept on " << total.ownerName() << ": "
               << total.toHere() << std::endl;
+    // Gradients through two workers: d/dw sum(scale(scale(w, 3), 4)) = 12.
+    auto w = at::ones({3}).requires_grad_();
+    {
+      torchrpc::autograd::Context context(rt);
+      auto a = rt.rpcSync<at::Tensor>("worker1", "scale", w, 3.0);
+      auto b = rt.rpcSync<at::Tensor>("worker2", "scale", a, 4.0);
+      context.backward({b.sum()});
+      std::cout << "gradient of w through worker1 and worker2: "
+                << context.gradients().at(w) << std::endl;
+    }
     try {
       rt.rpcSync<at::Tensor>("worker1", "scale", at::ones({3}), "not a number");
     } catch (const torchrpc::RpcError& e) {
