@@ -6,6 +6,8 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
 
+#include <mutex>
+
 #include "proto/rref/rref.pb.h"
 #include "rref/detail/context_internals.h"
 #include "rref/detail/records.h"
@@ -164,26 +166,54 @@ FuturePtr keepAliveUntilDone(
 }
 
 // A use of a creator's fork that ends after its creation failed fails with
-// the creation error too (G4), even if the owner produced the value late.
+// the creation error too (G4), even if the owner produced the value late. A
+// use that fails while the creation is still unanswered waits for that
+// answer: the owner answers uses of a failed creation with its record of the
+// failure, which can overtake the creation's own answer, and once a use has
+// failed, later uses and sends of the fork must see the creation error.
 FuturePtr preferCreationError(
     const std::shared_ptr<UserFork>& fork,
     FuturePtr reply) {
   if (!fork->creation || fork->creation->completed()) {
     return reply;
   }
-  // Whichever settles first: the creation failing, or the reply.
+  struct State {
+    std::mutex mutex;
+    bool settled = false;
+    bool replyFailed = false;
+  };
   auto out = newFuture();
-  auto settled = std::make_shared<std::atomic<bool>>(false);
-  fork->creation->addCallback([out, settled](c10::ivalue::Future& creation) {
-    if (creation.hasError() && !settled->exchange(true)) {
-      out->setError(creation.exception_ptr());
+  auto state = std::make_shared<State>();
+  fork->creation->addCallback(
+      [out, state, reply](c10::ivalue::Future& creation) {
+        {
+          std::lock_guard<std::mutex> guard(state->mutex);
+          if (state->settled || (!creation.hasError() && !state->replyFailed)) {
+            return;
+          }
+          state->settled = true;
+        }
+        if (creation.hasError()) {
+          out->setError(creation.exception_ptr());
+        } else {
+          forward(*reply, *out); // the use's own failure
+        }
+      });
+  reply->addCallback([fork, out, state](c10::ivalue::Future& done) {
+    std::exception_ptr error;
+    {
+      std::lock_guard<std::mutex> guard(state->mutex);
+      if (state->settled) {
+        return;
+      }
+      error = creationError(*fork);
+      if (!error && done.hasError() && !fork->creation->completed()) {
+        state->replyFailed = true; // settled by the creation's answer
+        return;
+      }
+      state->settled = true;
     }
-  });
-  reply->addCallback([fork, out, settled](c10::ivalue::Future& done) {
-    if (settled->exchange(true)) {
-      return;
-    }
-    if (auto error = creationError(*fork)) {
+    if (error) {
       out->setError(error);
     } else {
       forward(done, *out);

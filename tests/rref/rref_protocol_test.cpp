@@ -44,6 +44,9 @@ std::function<void(int, rpc::Runtime&)> functionsFor(Workers& workers) {
     rt.functions().add("make", [](int64_t n, double value) {
       return at::full({n}, value);
     });
+    rt.functions().add("boom", []() -> at::Tensor {
+      throw std::runtime_error("boom from the owner");
+    });
     rt.functions().add("slow_make", [&workers](int64_t ms, double value) {
       ++workers.slowMakeRuns;
       std::this_thread::sleep_for(std::chrono::milliseconds(ms));
@@ -244,6 +247,27 @@ TEST_F(RRefProtocol, UsesArrivingBeforeTheCreationWaitForIt) {
   EXPECT_TRUE(at::equal(proxied.toHere(), at::full({2}, 10.0)));
   r = RRef<at::Tensor>();
   proxied = RRef<at::Tensor>();
+  EXPECT_TRUE(cluster_->waitForEmptyTables());
+}
+
+// G4 when the owner's answer to a use overtakes its answer to the failed
+// creation: the use waits for the creation's answer, so once a use has
+// failed, sending the fork fails too.
+TEST_F(RRefProtocol, AUseFailingBeforeTheCreationsAnswerWaitsForIt) {
+  start(3);
+  delayRRefMessages([](const rpc::MessageSummary& m) {
+    return m.kind == rref::kRemoteKind && m.isResponse ? 300ms : 0ms;
+  });
+  auto r = rref::remote<at::Tensor>(rt(0), "worker1", "boom");
+  expectRpcError(
+      [&]() { r.toHere(); },
+      ErrorCode::kRemoteException,
+      {"worker1", "boom from the owner"});
+  expectRpcError(
+      [&]() { rt(0).rpcSync<double>("worker2", "sum_rref", r); },
+      ErrorCode::kBadArguments,
+      {"creating it failed", "boom from the owner"});
+  r = RRef<at::Tensor>();
   EXPECT_TRUE(cluster_->waitForEmptyTables());
 }
 
