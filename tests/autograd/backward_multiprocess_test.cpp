@@ -37,6 +37,7 @@ namespace {
 using namespace std::chrono_literals;
 using rpc::ErrorCode;
 using Clock = std::chrono::steady_clock;
+using zoo::expectGradient;
 
 std::string workerName(int64_t rank) {
   return "worker" + std::to_string(rank);
@@ -226,15 +227,6 @@ std::vector<pid_t> spawnWorkers(
   return pids;
 }
 
-void expectAllExitCleanly(
-    ChildProcesses& children,
-    const std::vector<pid_t>& pids,
-    std::chrono::milliseconds limit = 60s) {
-  for (size_t rank = 0; rank < pids.size(); ++rank) {
-    EXPECT_EQ(children.wait(pids[rank], limit), 0) << workerName(rank);
-  }
-}
-
 // Polls the counters of `ranks` (through "autograd_counters") until none
 // holds a context or a pass, or reports what is left at the deadline (zero:
 // one look). The calls go from a thread of their own: made on a thread with a
@@ -312,26 +304,6 @@ void serveUntilDone(Worker& w, ProcessSignal& done, bool graceful = true) {
     EXPECT_TRUE(w.rt.shutdown()) << w.rt.self().name;
   } else {
     w.rt.shutdown(/*graceful=*/false);
-  }
-}
-
-// Expects `got` to equal `expected` exactly, or within `tolerance`.
-void expectGradient(
-    const at::Tensor& got,
-    const at::Tensor& expected,
-    double tolerance,
-    const std::string& what) {
-  if (!expected.defined()) {
-    EXPECT_FALSE(got.defined()) << what << " should have no gradient";
-    return;
-  }
-  ASSERT_TRUE(got.defined()) << what << " has no gradient";
-  if (tolerance == 0) {
-    EXPECT_TRUE(at::equal(got, expected))
-        << what << ": got " << got << " expected " << expected;
-  } else {
-    EXPECT_TRUE(at::allclose(got, expected, tolerance, tolerance))
-        << what << ": got " << got << " expected " << expected;
   }
 }
 
@@ -427,7 +399,7 @@ TEST_P(MultiProcessBackwardZoo, GradientsEqualLocalAutograd) {
         }
         drive(w, done, [&]() { runCase(w, c); });
       });
-  expectAllExitCleanly(children, pids);
+  children.expectAllExitCleanly(pids, 60s);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -475,7 +447,7 @@ TEST_P(MultiProcessBackward, ANodeThatThrowsFailsThePassWithTheRemoteCause) {
       EXPECT_TRUE(nothingLeftOn(w.rt, allRanks(3), 0ms));
     });
   });
-  expectAllExitCleanly(children, pids);
+  children.expectAllExitCleanly(pids, 60s);
 }
 
 TEST_P(MultiProcessBackward, DeadlineNamesTheSendThatNeverGotItsGradient) {
@@ -510,7 +482,7 @@ TEST_P(MultiProcessBackward, DeadlineNamesTheSendThatNeverGotItsGradient) {
       EXPECT_TRUE(nothingLeftOn(w.rt, allRanks(2), 0ms));
     });
   });
-  expectAllExitCleanly(children, pids);
+  children.expectAllExitCleanly(pids, 60s);
 }
 
 // Worker0 sends x to worker1 and worker2; the parent SIGKILLs worker1 while

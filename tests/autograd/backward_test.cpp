@@ -28,27 +28,8 @@ namespace {
 
 using autograd::ContextContainer;
 using zoo::DistNet;
+using zoo::expectGradient;
 using zoo::Net;
-
-// Expects `got` to equal `expected` exactly, or within `tolerance`.
-void expectGradient(
-    const at::Tensor& got,
-    const at::Tensor& expected,
-    double tolerance,
-    const std::string& what) {
-  if (!expected.defined()) {
-    EXPECT_FALSE(got.defined()) << what << " should have no gradient";
-    return;
-  }
-  ASSERT_TRUE(got.defined()) << what << " has no gradient";
-  if (tolerance == 0) {
-    EXPECT_TRUE(at::equal(got, expected))
-        << what << ": got " << got << " expected " << expected;
-  } else {
-    EXPECT_TRUE(at::allclose(got, expected, tolerance, tolerance))
-        << what << ": got " << got << " expected " << expected;
-  }
-}
 
 // A cluster whose workers run the zoo.
 class ZooCluster {

@@ -429,15 +429,6 @@ std::vector<pid_t> spawnWorkers(
   return pids;
 }
 
-void expectAllExitCleanly(
-    ChildProcesses& children,
-    const std::vector<pid_t>& pids,
-    std::chrono::milliseconds limit = 120s) {
-  for (size_t rank = 0; rank < pids.size(); ++rank) {
-    EXPECT_EQ(children.wait(pids[rank], limit), 0) << workerName(rank);
-  }
-}
-
 // Polls every worker's counters (its own directly, the others' through
 // "counters") until all are zero, or reports them at the deadline.
 ::testing::AssertionResult tablesEmptyEverywhere(
@@ -639,7 +630,7 @@ TEST_P(RRefMultiProcess, ForksTravelBetweenProcessesAndAllTablesEmptyAtTheEnd) {
     w.sync.signal("done");
     shutDownAndExpectNothingLeft(rt);
   });
-  expectAllExitCleanly(children, pids);
+  children.expectAllExitCleanly(pids, 120s);
   removePaths(paths);
 }
 
@@ -784,7 +775,7 @@ TEST_P(RRefMultiProcess, ConcurrentForksAndDeletionsLeaveEveryTableEmpty) {
     ASSERT_TRUE(w.sync.barrier("checked"));
     shutDownAndExpectNothingLeft(w.rt);
   });
-  expectAllExitCleanly(children, pids, 240s);
+  children.expectAllExitCleanly(pids, 240s);
   removePaths(paths);
 }
 
@@ -847,7 +838,7 @@ TEST_P(RRefMultiProcess, AFailedRemoteSurfacesAtToHereOnEveryHolder) {
     w.sync.signal("done");
     shutDownAndExpectNothingLeft(rt);
   });
-  expectAllExitCleanly(children, pids);
+  children.expectAllExitCleanly(pids, 120s);
   removePaths(paths);
 }
 
@@ -944,7 +935,7 @@ TEST_P(RRefMultiProcess, GracefulShutdownGivesBackRRefsHeldOnEveryWorker) {
   auto pids = spawnWorkers(children, 4, paths, GetParam(), [](Worker& w) {
     shutDownHoldingRRefs(w, /*remoteInFlight=*/false);
   });
-  expectAllExitCleanly(children, pids);
+  children.expectAllExitCleanly(pids, 120s);
   removePaths(paths);
 }
 
@@ -957,7 +948,7 @@ TEST_P(RRefMultiProcess, GracefulShutdownRightAfterARemoteGivesEverythingBack) {
   auto pids = spawnWorkers(children, 4, paths, GetParam(), [](Worker& w) {
     shutDownHoldingRRefs(w, /*remoteInFlight=*/true);
   });
-  expectAllExitCleanly(children, pids);
+  children.expectAllExitCleanly(pids, 120s);
   removePaths(paths);
 }
 

@@ -7,6 +7,7 @@
 // distributed gradients can be compared with local ones.
 
 #include <ATen/ATen.h>
+#include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -392,6 +393,26 @@ inline std::vector<Case> makeCases() {
 inline const std::vector<Case>& cases() {
   static const std::vector<Case> all = makeCases();
   return all;
+}
+
+// Expects `got` to equal `expected` exactly, or within `tolerance`.
+inline void expectGradient(
+    const at::Tensor& got,
+    const at::Tensor& expected,
+    double tolerance,
+    const std::string& what) {
+  if (!expected.defined()) {
+    EXPECT_FALSE(got.defined()) << what << " should have no gradient";
+    return;
+  }
+  ASSERT_TRUE(got.defined()) << what << " has no gradient";
+  if (tolerance == 0) {
+    EXPECT_TRUE(at::equal(got, expected))
+        << what << ": got " << got << " expected " << expected;
+  } else {
+    EXPECT_TRUE(at::allclose(got, expected, tolerance, tolerance))
+        << what << ": got " << got << " expected " << expected;
+  }
 }
 
 // Runs the zoo's steps in this process: "worker" r is the r-th LocalNet.

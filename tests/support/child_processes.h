@@ -91,6 +91,16 @@ class ChildProcesses {
     ::kill(pid, signal);
   }
 
+  // Expects every one of `pids` (the worker of rank i at index i) to exit
+  // with 0 within `limit` each.
+  void expectAllExitCleanly(
+      const std::vector<pid_t>& pids,
+      std::chrono::milliseconds limit) {
+    for (size_t rank = 0; rank < pids.size(); ++rank) {
+      EXPECT_EQ(wait(pids[rank], limit), 0) << "worker" << rank;
+    }
+  }
+
  private:
   void forget(pid_t pid) {
     for (auto& p : pids_) {
