@@ -6,13 +6,16 @@
 #include <future>
 #include <thread>
 
+#include "autograd/detail/futures.h"
 #include "proto/autograd/autograd.pb.h"
 #include "rpc/request_scope.h"
 
 namespace torchrpc {
 namespace autograd {
 
-using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
+using detail::allOf;
+using detail::FuturePtr;
+using detail::readyFuture;
 
 namespace {
 
@@ -25,42 +28,6 @@ struct CurrentContext {
   int64_t id = -1;
 };
 thread_local CurrentContext current;
-
-FuturePtr readyFuture() {
-  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
-  future->markCompleted(c10::IValue());
-  return future;
-}
-
-// Completes when every one of `futures` has; with the first error, if any.
-FuturePtr allOf(const std::vector<FuturePtr>& futures) {
-  if (futures.empty()) {
-    return readyFuture();
-  }
-  auto all = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
-  auto remaining = std::make_shared<std::atomic<size_t>>(futures.size());
-  auto firstError = std::make_shared<std::exception_ptr>();
-  auto errorMutex = std::make_shared<std::mutex>();
-  for (const auto& future : futures) {
-    future->addCallback(
-        [all, remaining, firstError, errorMutex](c10::ivalue::Future& done) {
-          if (done.hasError()) {
-            std::lock_guard<std::mutex> guard(*errorMutex);
-            if (!*firstError) {
-              *firstError = done.exception_ptr();
-            }
-          }
-          if (remaining->fetch_sub(1) == 1) {
-            if (*firstError) {
-              all->setError(*firstError);
-            } else {
-              all->markCompleted(c10::IValue());
-            }
-          }
-        });
-  }
-  return all;
-}
 
 wire::AutogradMetadata parseMetadata(const std::string& bytes) {
   wire::AutogradMetadata metadata;

@@ -10,14 +10,19 @@
 #include <sstream>
 
 #include "autograd/context_container.h"
+#include "autograd/detail/futures.h"
 #include "proto/autograd/autograd.pb.h"
 #include "rref/rref.h"
 
 namespace torchrpc {
 namespace autograd {
 
-using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
+using detail::allOf;
+using detail::failedFuture;
+using detail::firstErrorOrAll;
+using detail::FuturePtr;
 using detail::LocalBackward;
+using detail::readyFuture;
 
 namespace {
 
@@ -25,77 +30,6 @@ constexpr const char* kWhat = "autograd.backward";
 constexpr int kIdShift = 48;
 // How long the driver waits for answers to kAbort after a failure.
 constexpr std::chrono::milliseconds kAbortTimeout{5000};
-
-FuturePtr readyFuture(c10::IValue value = c10::IValue()) {
-  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
-  future->markCompleted(std::move(value));
-  return future;
-}
-
-FuturePtr failedFuture(std::exception_ptr error) {
-  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
-  future->setError(std::move(error));
-  return future;
-}
-
-// Completes with the first error among `futures` as soon as it comes, or
-// with their values (a list, in order) once all succeeded.
-FuturePtr firstErrorOrAll(const std::vector<FuturePtr>& futures) {
-  auto all = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
-  if (futures.empty()) {
-    all->markCompleted(c10::impl::GenericList(c10::AnyType::get()));
-    return all;
-  }
-  struct State {
-    std::mutex mutex;
-    size_t remaining;
-    bool finished = false;
-  };
-  auto state = std::make_shared<State>();
-  state->remaining = futures.size();
-  for (const auto& future : futures) {
-    future->addCallback([all, state, futures](c10::ivalue::Future& done) {
-      {
-        std::lock_guard<std::mutex> guard(state->mutex);
-        if (state->finished) {
-          return;
-        }
-        if (!done.hasError() && --state->remaining > 0) {
-          return;
-        }
-        state->finished = true;
-      }
-      if (done.hasError()) {
-        all->setError(done.exception_ptr());
-        return;
-      }
-      c10::impl::GenericList values(c10::AnyType::get());
-      for (const auto& each : futures) {
-        values.push_back(each->value());
-      }
-      all->markCompleted(values);
-    });
-  }
-  return all;
-}
-
-// Completes once every one of `futures` has, whatever their outcome.
-FuturePtr allSettled(const std::vector<FuturePtr>& futures) {
-  auto all = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
-  if (futures.empty()) {
-    all->markCompleted(c10::IValue());
-    return all;
-  }
-  auto remaining = std::make_shared<std::atomic<size_t>>(futures.size());
-  for (const auto& future : futures) {
-    future->addCallback([all, remaining](c10::ivalue::Future&) {
-      if (remaining->fetch_sub(1) == 1) {
-        all->markCompleted(c10::IValue());
-      }
-    });
-  }
-  return all;
-}
 
 wire::PassRef passRef(int64_t contextId, int64_t passId) {
   wire::PassRef ref;
@@ -199,11 +133,6 @@ std::shared_ptr<DistContext> DistEngine::contextOrThrow(
             " on this worker (released, or never joined)");
   }
   return context;
-}
-
-size_t DistEngine::livePasses() const {
-  auto container = container_.lock();
-  return container ? container->counters().livePasses : 0;
 }
 
 std::shared_ptr<LocalBackward> DistEngine::createPass(
@@ -568,14 +497,15 @@ FuturePtr DistEngine::abortPass(
   auto result = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
   std::weak_ptr<ContextContainer> container = container_;
   std::string selfName = runtime_.self().name;
-  allSettled(answers)->addCallback([result,
-                                    waiting,
-                                    error,
-                                    container,
-                                    contextId,
-                                    passId,
-                                    deadline,
-                                    selfName](c10::ivalue::Future&) {
+  // Whatever the answers, the pass ends here.
+  allOf(answers)->addCallback([result,
+                               waiting,
+                               error,
+                               container,
+                               contextId,
+                               passId,
+                               deadline,
+                               selfName](c10::ivalue::Future&) {
     std::exception_ptr final = error;
     try {
       std::rethrow_exception(error);

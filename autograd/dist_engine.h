@@ -126,9 +126,6 @@ class DistEngine : public std::enable_shared_from_this<DistEngine> {
       const c10::IValue& root,
       const BackwardOptions& options);
 
-  // Passes not yet ended on this worker, over all contexts.
-  size_t livePasses() const;
-
  private:
   std::chrono::milliseconds deadlineOf(const BackwardOptions& options) const;
   std::shared_ptr<DistContext> contextOrThrow(int64_t contextId) const;

@@ -406,11 +406,6 @@ void LocalBackward::fail(std::exception_ptr error) {
   maybeCompleteLocked(lock);
 }
 
-bool LocalBackward::failed() const {
-  std::lock_guard<std::mutex> guard(mutex_);
-  return static_cast<bool>(error_);
-}
-
 void LocalBackward::maybeCompleteLocked(std::unique_lock<std::mutex>& lock) {
   if (finished_ || draining_) {
     return;

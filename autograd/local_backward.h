@@ -57,9 +57,6 @@ class LocalBackward {
   int64_t passId() const {
     return passId_;
   }
-  bool retainGraph() const {
-    return retainGraph_;
-  }
 
   // What a walk found: RecvFunctions reached for the first time in this
   // pass, by the worker that sent their tensors (message ids).
@@ -95,7 +92,6 @@ class LocalBackward {
   }
   // Fails the pass here (first error sticks); queued nodes do not run.
   void fail(std::exception_ptr error);
-  bool failed() const;
 
   // Marked sends still waiting for their gradients: (message id, worker).
   std::vector<std::pair<int64_t, int64_t>> waitingSends() const;
