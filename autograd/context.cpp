@@ -13,7 +13,8 @@ Context::Context(rpc::Runtime& runtime)
 
 Context::~Context() {
   ContextContainer::exchangeCurrent(previous_.first, previous_.second);
-  container_->release(context_->id());
+  // R4: without waiting for the other workers' answers.
+  container_->releaseAsync(context_->id());
 }
 
 void Context::backward(

@@ -14,9 +14,11 @@ namespace autograd {
 // Opens a distributed autograd context on the calling thread for as long as
 // it lives: calls made from this thread, and from the handlers they reach,
 // record their send/recv functions in it (see
-// Note [Distributed autograd recording]). When it ends, every worker that
-// joined the context releases it; the destructor waits for that (bounded by
-// the runtime's default timeout) and never throws.
+// Note [Distributed autograd recording]). When it ends, the context is
+// released here at once and every worker that joined it is told to release
+// it; the destructor does not wait for their answers (a training loop would
+// pay a round trip per iteration) and never throws.
+// ContextContainer::waitForReleases() waits for them.
 //
 // Guards nest; a guard must end on the thread that opened it, before its
 // runtime is destroyed.

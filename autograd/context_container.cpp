@@ -261,30 +261,37 @@ void ContextContainer::onReceive(
 
 // ---- release (R4) -----------------------------------------------------------
 
-bool ContextContainer::release(int64_t id) {
-  auto done = std::make_shared<std::promise<std::string>>();
-  auto outcome = done->get_future();
-  releaseAndForward(id, /*except=*/-1)
-      ->addCallback([done](c10::ivalue::Future& all) {
-        done->set_value(
-            all.hasError() ? rpc::describeException(all.exception_ptr())
-                           : std::string());
-      });
-  std::string error = "no answer in time";
-  if (outcome.wait_for(runtime_.options().defaultTimeout) ==
-      std::future_status::ready) {
-    error = outcome.get();
+FuturePtr ContextContainer::releaseAsync(int64_t id) {
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    ++releasesInFlight_;
   }
-  if (!error.empty()) {
-    LOG(WARNING) << runtime_.self().name << ": distributed autograd context "
-                 << id << " was not released everywhere: " << error;
-    return false;
-  }
-  return true;
+  auto answered = releaseAndForward(id, /*except=*/-1);
+  std::weak_ptr<ContextContainer> weak = shared_from_this();
+  answered->addCallback([weak, id](c10::ivalue::Future& all) {
+    auto self = weak.lock();
+    if (!self) {
+      return;
+    }
+    if (all.hasError()) {
+      LOG(WARNING) << self->runtime_.self().name
+                   << ": distributed autograd context " << id
+                   << " was not released everywhere: "
+                   << rpc::describeException(all.exception_ptr());
+    }
+    std::lock_guard<std::mutex> guard(self->mutex_);
+    if (--self->releasesInFlight_ == 0) {
+      self->releasesAnswered_.notify_all();
+    }
+  });
+  return answered;
 }
 
-FuturePtr ContextContainer::releaseAsync(int64_t id) {
-  return releaseAndForward(id, /*except=*/-1);
+bool ContextContainer::waitForReleases(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  return releasesAnswered_.wait_for(lock, timeout, [this]() {
+    return releasesInFlight_ == 0;
+  });
 }
 
 FuturePtr ContextContainer::releaseAndForward(int64_t id, int64_t except) {

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -50,18 +51,22 @@ constexpr uint32_t kReleaseContextKind = 32;
 //      libtorch's own autograd graph, keyed by the message id.
 //  R3. Tensors that do not require grad, and messages outside any context,
 //      record nothing and carry no metadata.
-//  R4. Releasing a context (the guard ends) removes it here and sends
-//      kReleaseContext to every worker this one exchanged messages with in
-//      it; each does the same for its own peers before answering, so the
-//      guard returns once every worker that joined has released it (bounded
-//      by the runtime's default timeout). A worker remembers the last
-//      kMaxReleased released ids and refuses to join them again: a message
-//      of a released context fails with kBadArguments.
+//  R4. Releasing a context (the guard ends) removes it here at once and
+//      sends kReleaseContext to every worker this one exchanged messages
+//      with in it; each does the same for its own peers before answering.
+//      The guard does not wait for the answers (a training loop would pay a
+//      round trip per iteration for nothing); waitForReleases() does, and
+//      graceful shutdown waits for them as for every call in flight. A
+//      worker remembers the last kMaxReleased released ids and refuses to
+//      join them again: a message of a released context fails with
+//      kBadArguments.
 //
 // Guarantees:
 //  G1. Contexts never mix: what a message records goes into the context it
 //      belongs to only, however many contexts are open at once.
-//  G2. After a guard ends, no worker holds its context (counters show it).
+//  G2. Once a guard's releases are answered (waitForReleases() on the
+//      guard's worker returns true), no worker holds its context (counters
+//      show it).
 class ContextContainer : public rpc::RuntimeLayer,
                          public std::enable_shared_from_this<ContextContainer> {
  public:
@@ -86,12 +91,14 @@ class ContextContainer : public rpc::RuntimeLayer,
   std::shared_ptr<DistContext> open();
   // The context of that id on this worker, or nullptr.
   std::shared_ptr<DistContext> find(int64_t id) const;
-  // R4: releases the context here and on every worker it reached; returns
-  // whether all of them answered in time. Never throws.
-  bool release(int64_t id);
-  // R4 without waiting: the future completes when every worker answered
-  // (with the first error, if any).
+  // R4: releases the context here at once and on every worker it reached;
+  // the future completes when every worker answered (with the first error,
+  // if any). Never throws.
   c10::intrusive_ptr<c10::ivalue::Future> releaseAsync(int64_t id);
+  // Waits until every release started here so far has been answered (or
+  // failed; failures are logged); false if some are still unanswered after
+  // `timeout`.
+  bool waitForReleases(std::chrono::milliseconds timeout);
 
   // Runs the distributed backward passes of this worker's contexts.
   DistEngine& engine() const {
@@ -155,6 +162,9 @@ class ContextContainer : public rpc::RuntimeLayer,
   std::unordered_map<int64_t, std::shared_ptr<DistContext>> contexts_;
   std::unordered_set<int64_t> released_;
   std::deque<int64_t> releasedOrder_;
+  // Releases started here whose answers have not all come (R4).
+  size_t releasesInFlight_ = 0;
+  std::condition_variable releasesAnswered_;
 };
 
 } // namespace autograd

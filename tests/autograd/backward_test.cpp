@@ -69,8 +69,14 @@ class ZooCluster {
   bool shutdown() {
     return cluster_.shutdownAll();
   }
-  // Every worker has released every context and ended every pass.
+  // Every worker has released every context and ended every pass, once the
+  // releases started so far have been answered (guards do not wait).
   void expectNothingLeft() {
+    for (int rank = 0; rank < size(); ++rank) {
+      EXPECT_TRUE(ContextContainer::of(rt(rank))->waitForReleases(
+          std::chrono::seconds(10)))
+          << "worker" << rank;
+    }
     for (int rank = 0; rank < size(); ++rank) {
       auto counters = ContextContainer::of(rt(rank))->counters();
       EXPECT_EQ(counters.liveContexts, 0u) << "worker" << rank;

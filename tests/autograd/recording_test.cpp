@@ -22,6 +22,7 @@ namespace testing {
 namespace {
 
 using autograd::ContextContainer;
+using namespace std::chrono_literals;
 
 std::string gradFnName(const at::Tensor& x) {
   return x.grad_fn() ? x.grad_fn()->name() : std::string("none");
@@ -69,7 +70,13 @@ class AutogradRecording : public ::testing::TestWithParam<TestTransport> {
   ContextContainer::Counters counters(int rank) {
     return ContextContainer::of(rt(rank))->counters();
   }
+  // Contexts held by any worker once every release started so far has been
+  // answered (a guard does not wait for that itself).
   size_t liveContexts() {
+    for (int rank = 0; rank < 3; ++rank) {
+      EXPECT_TRUE(ContextContainer::of(rt(rank))->waitForReleases(10s))
+          << "worker" << rank;
+    }
     size_t total = 0;
     for (int rank = 0; rank < 3; ++rank) {
       total += counters(rank).liveContexts;
@@ -226,6 +233,37 @@ TEST_P(AutogradRecording, ALocalBackwardThroughARecvFunctionSaysWhatToDo) {
     EXPECT_NE(what.find("received from worker 1"), std::string::npos) << what;
     EXPECT_NE(what.find("distributed backward"), std::string::npos) << what;
   }
+}
+
+TEST_P(AutogradRecording, AGuardEndsWithoutWaitingForTheOtherWorkers) {
+  if (GetParam() != TestTransport::kInProcess) {
+    GTEST_SKIP() << "holds messages back with the in-process fault injector";
+  }
+  auto x = at::ones({2}).requires_grad_();
+  // The release reaches worker1 only 500 ms after the guard ends.
+  cluster_->network()->setFaultInjector(
+      [](const std::string&, const std::string&, const rpc::Message& m) {
+        auto summary = rpc::summarizeMessage(m);
+        return summary && !summary->isResponse &&
+                summary->kind == autograd::kReleaseContextKind
+            ? rpc::FaultAction::delayOutOfOrder(500ms)
+            : rpc::FaultAction::deliver();
+      });
+  auto start = std::chrono::steady_clock::now();
+  {
+    autograd::Context context(rt(0));
+    rt(0).rpcSync<at::Tensor>("worker1", "double_it", x);
+    start = std::chrono::steady_clock::now();
+  }
+  auto guardEnded = std::chrono::steady_clock::now() - start;
+  EXPECT_LT(guardEnded, 400ms);
+  // Released here at once, still held where the release has not arrived.
+  EXPECT_EQ(counters(0).liveContexts, 0u);
+  EXPECT_EQ(counters(1).liveContexts, 1u);
+  EXPECT_TRUE(ContextContainer::of(rt(0))->waitForReleases(10s));
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 450ms);
+  EXPECT_EQ(counters(1).liveContexts, 0u);
+  cluster_->network()->setFaultInjector(nullptr);
 }
 
 INSTANTIATE_TEST_SUITE_P(
