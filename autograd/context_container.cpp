@@ -222,11 +222,13 @@ void ContextContainer::onSend(
     // R2.
     auto context = join(contextId);
     int64_t messageId = mintId(nextMessageId_);
-    context->addSend(std::make_shared<SendFunction>(
+    auto send = std::make_shared<SendFunction>(
         contextId,
         messageId,
         hookContext.peer.id,
-        tensors));
+        tensors);
+    out.set_sender_graph_is_final(send->graphIsFinal());
+    context->addSend(std::move(send));
     out.set_message_id(messageId);
   } else if (auto context = find(contextId)) {
     // R1: the peer may join through nested calls or its response.
@@ -254,7 +256,8 @@ void ContextContainer::onReceive(
   auto recv = std::make_shared<RecvFunction>(
       parsed.context_id(),
       parsed.message_id(),
-      hookContext.peer.id);
+      hookContext.peer.id,
+      parsed.sender_graph_is_final());
   recv->adopt(tensors);
   context->addRecv(std::move(recv));
 }

@@ -43,9 +43,17 @@ std::shared_ptr<SendFunction> DistContext::findSend(int64_t messageId) const {
   return it == sends_.end() ? nullptr : it->second;
 }
 
-void DistContext::addPass(std::shared_ptr<detail::LocalBackward> pass) {
+std::shared_ptr<RecvFunction> DistContext::findRecv(int64_t messageId) const {
   std::lock_guard<std::mutex> guard(mutex_);
-  passes_.emplace(pass->passId(), std::move(pass));
+  auto it = recvs_.find(messageId);
+  return it == recvs_.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<detail::LocalBackward> DistContext::addPass(
+    std::shared_ptr<detail::LocalBackward> pass) {
+  std::lock_guard<std::mutex> guard(mutex_);
+  int64_t passId = pass->passId();
+  return passes_.emplace(passId, std::move(pass)).first->second;
 }
 
 std::shared_ptr<detail::LocalBackward> DistContext::findPass(

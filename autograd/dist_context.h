@@ -39,9 +39,13 @@ class DistContext {
   std::map<int64_t, std::shared_ptr<RecvFunction>> recvs() const;
   std::set<int64_t> peers() const;
   std::shared_ptr<SendFunction> findSend(int64_t messageId) const;
+  std::shared_ptr<RecvFunction> findRecv(int64_t messageId) const;
 
   // Backward passes (see Note [Distributed backward]).
-  void addPass(std::shared_ptr<detail::LocalBackward> pass);
+  // Adds the pass unless one of its id is there already; returns the one
+  // that is (messages of one pass may race to create it).
+  std::shared_ptr<detail::LocalBackward> addPass(
+      std::shared_ptr<detail::LocalBackward> pass);
   std::shared_ptr<detail::LocalBackward> findPass(int64_t passId) const;
   void removePass(int64_t passId);
   size_t passCount() const;

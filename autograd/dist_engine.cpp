@@ -57,6 +57,26 @@ std::string describePass(int64_t contextId, int64_t passId) {
       " of distributed autograd context " + std::to_string(contextId);
 }
 
+// D2': whether every RecvFunction the driver's walk reached came from
+// another worker whose graph behind the send reaches no RecvFunction.
+bool discoveryEndsHere(
+    const DistContext& context,
+    const LocalBackward::NewlyReached& reached,
+    int64_t selfId) {
+  for (const auto& entry : reached) {
+    if (entry.first == selfId) {
+      return false;
+    }
+    for (int64_t messageId : entry.second) {
+      auto recv = context.findRecv(messageId);
+      if (!recv || !recv->senderGraphIsFinal()) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
 } // namespace
 
 DistEngine::DistEngine(
@@ -138,7 +158,11 @@ std::shared_ptr<DistContext> DistEngine::contextOrThrow(
 std::shared_ptr<LocalBackward> DistEngine::createPass(
     const std::shared_ptr<DistContext>& context,
     int64_t passId,
-    bool retainGraph) {
+    bool retainGraph,
+    bool holdsDeliveries) {
+  if (auto existing = context->findPass(passId)) {
+    return existing;
+  }
   std::weak_ptr<DistEngine> weakEngine = weak_from_this();
   std::weak_ptr<DistContext> weakContext = context;
   int64_t contextId = context->id();
@@ -165,8 +189,10 @@ std::shared_ptr<LocalBackward> DistEngine::createPass(
         }
       });
   *weakPass = pass;
-  context->addPass(pass);
-  return pass;
+  if (holdsDeliveries) {
+    pass->holdDeliveries();
+  }
+  return context->addPass(pass);
 }
 
 // ---- D1, D2, E1, E4 on the driver -------------------------------------------
@@ -232,7 +258,11 @@ FuturePtr DistEngine::backward(
   auto deadline = deadlineOf(options);
   auto startedAt = std::chrono::steady_clock::now();
   int64_t passId = (selfId_ << kIdShift) | nextPassId_.fetch_add(1);
-  auto pass = createPass(context, passId, options.retainGraph);
+  auto pass = createPass(
+      context,
+      passId,
+      options.retainGraph,
+      /*holdsDeliveries=*/false);
   LocalBackward::NewlyReached reached;
   try {
     reached = pass->addRoots(edges, std::move(rootGrads));
@@ -275,6 +305,20 @@ FuturePtr DistEngine::backward(
     result->markCompleted(c10::IValue());
   };
 
+  if (discoveryEndsHere(*context, reached, selfId_)) {
+    // D2'.
+    pass->setSkippedDiscovery();
+    for (const auto& entry : reached) {
+      workers->push_back(entry.first);
+    }
+    try {
+      startReached(contextId, pass, *workers, &reached, remaining())
+          ->addCallback(finish);
+    } catch (...) {
+      fail(std::current_exception());
+    }
+    return result;
+  }
   FuturePtr found;
   try {
     found =
@@ -305,22 +349,38 @@ FuturePtr DistEngine::backward(
           }
         }
         workers->assign(reachedWorkers.begin(), reachedWorkers.end());
-        // E1.
-        std::vector<FuturePtr> parts{pass->done()};
-        std::string body = passRef(contextId, passId).SerializeAsString();
-        for (int64_t worker : *workers) {
-          rpc::OutgoingRequest request;
-          request.kind = kAwaitKind;
-          request.body = body;
-          request.what = kWhat;
-          request.timeout = remaining();
-          parts.push_back(
-              self->agent_.send(rpc::WorkerRef(worker), std::move(request)));
-        }
-        pass->start();
-        firstErrorOrAll(parts)->addCallback(finish);
+        self->startReached(contextId, pass, *workers, nullptr, remaining())
+            ->addCallback(finish);
       });
   return result;
+}
+
+FuturePtr DistEngine::startReached(
+    int64_t contextId,
+    const std::shared_ptr<LocalBackward>& pass,
+    const std::vector<int64_t>& workers,
+    const LocalBackward::NewlyReached* marks,
+    std::chrono::milliseconds timeout) {
+  std::vector<FuturePtr> parts{pass->done()};
+  for (int64_t worker : workers) {
+    wire::Await message;
+    *message.mutable_pass() = passRef(contextId, pass->passId());
+    if (marks != nullptr) {
+      message.set_carries_marks(true);
+      message.set_retain_graph(pass->retainGraph());
+      for (int64_t messageId : marks->at(worker)) {
+        message.add_marked_sends(messageId);
+      }
+    }
+    rpc::OutgoingRequest request;
+    request.kind = kAwaitKind;
+    request.body = message.SerializeAsString();
+    request.what = kWhat;
+    request.timeout = timeout;
+    parts.push_back(agent_.send(rpc::WorkerRef(worker), std::move(request)));
+  }
+  pass->start();
+  return firstErrorOrAll(parts);
 }
 
 FuturePtr DistEngine::discover(
@@ -393,6 +453,10 @@ void DistEngine::sendGradients(
   wire::Gradients message;
   *message.mutable_pass() = passRef(contextId, pass->passId());
   message.set_message_id(recv->messageId());
+  if (pass->skippedDiscovery()) {
+    message.set_marks_come_with_await(true);
+    message.set_retain_graph(pass->retainGraph());
+  }
   rpc::OutgoingRequest request;
   request.kind = kGradientsKind;
   request.body = message.SerializeAsString();
@@ -573,10 +637,11 @@ FuturePtr DistEngine::onDiscover(rpc::Request&& request) {
   int64_t contextId = message.pass().context_id();
   int64_t passId = message.pass().pass_id();
   auto context = contextOrThrow(contextId);
-  auto pass = context->findPass(passId);
-  if (!pass) {
-    pass = createPass(context, passId, message.retain_graph());
-  }
+  auto pass = createPass(
+      context,
+      passId,
+      message.retain_graph(),
+      /*holdsDeliveries=*/false);
   LocalBackward::NewlyReached reached;
   reached[selfId_].assign(
       message.message_ids().begin(),
@@ -591,7 +656,12 @@ FuturePtr DistEngine::onGradients(rpc::Request&& request) {
   int64_t contextId = message.pass().context_id();
   int64_t passId = message.pass().pass_id();
   auto context = contextOrThrow(contextId);
-  auto pass = context->findPass(passId);
+  auto pass = message.marks_come_with_await() ? createPass(
+                                                    context,
+                                                    passId,
+                                                    message.retain_graph(),
+                                                    /*holdsDeliveries=*/true)
+                                              : context->findPass(passId);
   if (!pass) {
     throw rpc::RpcError(
         rpc::ErrorCode::kBadArguments,
@@ -625,21 +695,56 @@ FuturePtr DistEngine::onGradients(rpc::Request&& request) {
 }
 
 FuturePtr DistEngine::onAwait(rpc::Request&& request) {
-  auto message = parseOrThrow<wire::PassRef>(request, "autograd.await");
-  auto context = contextOrThrow(message.context_id());
-  auto pass = context->findPass(message.pass_id());
-  if (!pass) {
-    throw rpc::RpcError(
+  auto message = parseOrThrow<wire::Await>(request, "autograd.await");
+  int64_t contextId = message.pass().context_id();
+  int64_t passId = message.pass().pass_id();
+  auto context = contextOrThrow(contextId);
+  auto pass = message.carries_marks() ? createPass(
+                                            context,
+                                            passId,
+                                            message.retain_graph(),
+                                            /*holdsDeliveries=*/true)
+                                      : context->findPass(passId);
+  auto refuse = [&](const std::string& why) {
+    auto error = rpc::makeRpcError(
         rpc::ErrorCode::kBadArguments,
         runtime_.self().name,
         kWhat,
         request.id,
-        describePass(message.context_id(), message.pass_id()) +
-            " is not running here");
+        describePass(contextId, passId) + ": " + why);
+    if (pass) {
+      pass->fail(error);
+      context->removePass(passId);
+    }
+    std::rethrow_exception(error);
+  };
+  if (!pass) {
+    refuse("it is not running here");
+  }
+  if (message.carries_marks()) {
+    // D2'.
+    std::vector<std::shared_ptr<SendFunction>> sends;
+    for (int64_t messageId : message.marked_sends()) {
+      auto send = context->findSend(messageId);
+      if (!send) {
+        refuse("no send #" + std::to_string(messageId) + " here");
+      }
+      sends.push_back(std::move(send));
+    }
+    LocalBackward::NewlyReached further;
+    try {
+      further = pass->arm(sends);
+    } catch (const std::exception& e) {
+      refuse(e.what());
+    }
+    if (!further.empty()) {
+      refuse(
+          "sends were marked without discovery, but the graph behind them "
+          "reaches tensors received from other workers");
+    }
   }
   auto answer = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
   std::weak_ptr<DistContext> weakContext = context;
-  int64_t passId = message.pass_id();
   pass->done()->addCallback(
       [answer, weakContext, passId](c10::ivalue::Future& done) {
         if (auto context = weakContext.lock()) {

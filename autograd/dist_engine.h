@@ -68,6 +68,17 @@ struct BackwardOptions {
 //      have answered. Each send is marked, and each node walked, at most
 //      once per pass, so discovery ends; when the driver's kDiscover calls
 //      have all been answered, every worker knows all it will receive.
+//  D2'. Shortcut: each SendFunction knows whether the graph behind it
+//      reaches any RecvFunction (SendFunction::graphIsFinal, fixed when it
+//      is recorded since nodes only point to older nodes), and its message
+//      tells the receiver's RecvFunction. When every RecvFunction the
+//      driver's own walk reaches came from another worker whose graph
+//      behind it is final, discovery could only mark those sends, so the
+//      driver skips it: in E1 each such worker's kAwait names the sends to
+//      mark. Since messages may be handled out of order, such a worker
+//      holds gradients that come before its kAwait and runs nothing until
+//      the kAwait has marked its sends. This saves the discovery round
+//      trip in the common shape of a trainer calling servers.
 //  E1. The driver sends kAwait to every worker discovery reached and
 //      delivers the roots' gradients.
 //  E2. A node runs when its count reaches zero, with the sum of the
@@ -129,10 +140,23 @@ class DistEngine : public std::enable_shared_from_this<DistEngine> {
  private:
   std::chrono::milliseconds deadlineOf(const BackwardOptions& options) const;
   std::shared_ptr<DistContext> contextOrThrow(int64_t contextId) const;
+  // The pass of that id in `context`, created if new; holdsDeliveries (on
+  // a worker reached without discovery, D2') makes a new one wait for the
+  // kAwait that names its sends.
   std::shared_ptr<detail::LocalBackward> createPass(
       const std::shared_ptr<DistContext>& context,
       int64_t passId,
-      bool retainGraph);
+      bool retainGraph,
+      bool holdsDeliveries);
+  // E1: kAwait to each of `workers` (naming the sends to mark there when
+  // discovery was skipped: `marks`), then the roots' gradients; the future
+  // completes with the first error or when every part is done.
+  c10::intrusive_ptr<c10::ivalue::Future> startReached(
+      int64_t contextId,
+      const std::shared_ptr<detail::LocalBackward>& pass,
+      const std::vector<int64_t>& workers,
+      const detail::LocalBackward::NewlyReached* marks,
+      std::chrono::milliseconds timeout);
   // D2: sends kDiscover for what a walk newly reached; the future's value
   // is the list of worker ids reached.
   c10::intrusive_ptr<c10::ivalue::Future> discover(

@@ -202,6 +202,33 @@ LocalBackward::NewlyReached LocalBackward::markSends(
   return reached;
 }
 
+void LocalBackward::holdDeliveries() {
+  std::lock_guard<std::mutex> guard(mutex_);
+  holding_ = true;
+}
+
+LocalBackward::NewlyReached LocalBackward::arm(
+    const std::vector<std::shared_ptr<SendFunction>>& sends) {
+  NewlyReached reached = markSends(sends);
+  std::vector<std::pair<int64_t, variable_list>> held;
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    holding_ = false;
+    held.swap(held_);
+  }
+  for (auto& entry : held) {
+    try {
+      deliver(entry.first, std::move(entry.second));
+    } catch (...) {
+      fail(std::current_exception());
+    }
+  }
+  // Nothing held and nothing marked completes here.
+  std::unique_lock<std::mutex> lock(mutex_);
+  maybeCompleteLocked(lock);
+  return reached;
+}
+
 // ---- E1-E4: running it
 // -------------------------------------------------------
 
@@ -233,6 +260,10 @@ void LocalBackward::deliver(int64_t messageId, variable_list grads) {
   };
   {
     std::lock_guard<std::mutex> guard(mutex_);
+    if (holding_) {
+      held_.emplace_back(messageId, std::move(grads));
+      return;
+    }
     auto it = marked_.find(messageId);
     if (it == marked_.end()) {
       refuse("this pass does not wait for them");
@@ -418,8 +449,8 @@ void LocalBackward::maybeCompleteLocked(std::unique_lock<std::mutex>& lock) {
     done_->setError(error);
     return;
   }
-  if (waitingEntries_ > 0 || (isDriver_ && !started_) || unacknowledged_ > 0 ||
-      !ready_.empty() || !readyRecvs_.empty()) {
+  if (waitingEntries_ > 0 || (isDriver_ && !started_) || holding_ ||
+      unacknowledged_ > 0 || !ready_.empty() || !readyRecvs_.empty()) {
     return;
   }
   finished_ = true;

@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -57,6 +58,17 @@ class LocalBackward {
   int64_t passId() const {
     return passId_;
   }
+  bool retainGraph() const {
+    return retainGraph_;
+  }
+  // D2' on the driver: discovery was skipped, so the workers this pass
+  // sends gradients to learn what they wait for from its Await.
+  void setSkippedDiscovery() {
+    skippedDiscovery_ = true;
+  }
+  bool skippedDiscovery() const {
+    return skippedDiscovery_;
+  }
 
   // What a walk found: RecvFunctions reached for the first time in this
   // pass, by the worker that sent their tensors (message ids).
@@ -72,6 +84,13 @@ class LocalBackward {
   // walk reaches tensors received in another context.
   NewlyReached markSends(
       const std::vector<std::shared_ptr<SendFunction>>& sends);
+
+  // D2' (discovery skipped): the sends this worker waits for arrive with
+  // the driver's Await, which may be handled after gradients for them.
+  // holdDeliveries() (right after construction) makes deliver() keep
+  // gradients until arm() has marked the sends, then they are delivered.
+  void holdDeliveries();
+  NewlyReached arm(const std::vector<std::shared_ptr<SendFunction>>& sends);
 
   // E1: delivers the roots' gradients and runs what becomes ready.
   void start();
@@ -130,6 +149,7 @@ class LocalBackward {
   const RecvReady recvReady_;
   const LeavesReady leavesReady_;
   const c10::intrusive_ptr<c10::ivalue::Future> done_;
+  std::atomic<bool> skippedDiscovery_{false};
 
   mutable std::mutex mutex_;
   std::unordered_map<torch::autograd::Node*, NodeState> nodes_;
@@ -138,6 +158,8 @@ class LocalBackward {
   torch::autograd::variable_list rootGrads_;
   bool isDriver_ = false;
   bool started_ = false;
+  bool holding_ = false; // D2': until arm()
+  std::vector<std::pair<int64_t, torch::autograd::variable_list>> held_;
   size_t waitingEntries_ = 0; // marked sends without gradients, roots
   size_t unacknowledged_ = 0;
   std::deque<ReadyNode> ready_;

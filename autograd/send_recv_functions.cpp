@@ -3,6 +3,8 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
+#include <unordered_set>
+
 namespace torchrpc {
 namespace autograd {
 
@@ -16,6 +18,35 @@ std::vector<at::Tensor> requiringGrad(const std::vector<at::Tensor>& tensors) {
     }
   }
   return out;
+}
+
+// Whether no RecvFunction is reachable from `edges`; false also when the
+// walk would visit more than `limit` nodes.
+bool reachesNoRecv(const torch::autograd::edge_list& edges, size_t limit) {
+  std::unordered_set<torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> toWalk;
+  auto visit = [&](const torch::autograd::Edge& edge) {
+    if (edge.is_valid() && seen.insert(edge.function.get()).second) {
+      toWalk.push_back(edge.function.get());
+    }
+  };
+  for (const auto& edge : edges) {
+    visit(edge);
+  }
+  while (!toWalk.empty()) {
+    if (seen.size() > limit) {
+      return false;
+    }
+    torch::autograd::Node* node = toWalk.back();
+    toWalk.pop_back();
+    if (dynamic_cast<RecvFunction*>(node) != nullptr) {
+      return false;
+    }
+    for (const auto& edge : node->next_edges()) {
+      visit(edge);
+    }
+  }
+  return true;
 }
 
 } // namespace
@@ -34,6 +65,7 @@ SendFunction::SendFunction(
     add_input_metadata(tensor);
     sent_.push_back(Sent{tensor.sizes().vec(), tensor.options()});
   }
+  graphIsFinal_ = reachesNoRecv(next_edges(), kMaxFinalityWalk);
 }
 
 torch::autograd::variable_list SendFunction::apply(
@@ -48,10 +80,12 @@ std::string SendFunction::name() const {
 RecvFunction::RecvFunction(
     int64_t contextId,
     int64_t messageId,
-    int64_t fromWorker)
+    int64_t fromWorker,
+    bool senderGraphIsFinal)
     : contextId_(contextId),
       messageId_(messageId),
-      fromWorker_(fromWorker) {}
+      fromWorker_(fromWorker),
+      senderGraphIsFinal_(senderGraphIsFinal) {}
 
 void RecvFunction::adopt(std::vector<at::Tensor>& tensors) {
   auto self = shared_from_this();

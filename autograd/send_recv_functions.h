@@ -47,11 +47,21 @@ class SendFunction : public torch::autograd::Node {
     return sent_;
   }
 
+  // Whether the graph behind the sent tensors reaches no RecvFunction, so
+  // a backward pass that reaches this send reaches no further worker from
+  // here. Fixed at construction: nodes only point to older nodes. False
+  // (unknown) for graphs larger than kMaxFinalityWalk nodes.
+  bool graphIsFinal() const {
+    return graphIsFinal_;
+  }
+  static constexpr size_t kMaxFinalityWalk = 4096;
+
  private:
   const int64_t contextId_;
   const int64_t messageId_;
   const int64_t toWorker_;
   std::vector<Sent> sent_;
+  bool graphIsFinal_ = false;
 };
 
 // On the receiver: the grad_fn of the received tensors that require grad.
@@ -60,7 +70,12 @@ class SendFunction : public torch::autograd::Node {
 // backward() that reaches it fails with an error saying so.
 class RecvFunction : public torch::autograd::Node {
  public:
-  RecvFunction(int64_t contextId, int64_t messageId, int64_t fromWorker);
+  // senderGraphIsFinal: the sender said its SendFunction's graphIsFinal().
+  RecvFunction(
+      int64_t contextId,
+      int64_t messageId,
+      int64_t fromWorker,
+      bool senderGraphIsFinal);
 
   // Makes this node the grad_fn of `tensors` (those requiring grad, in
   // order).
@@ -79,11 +94,15 @@ class RecvFunction : public torch::autograd::Node {
   int64_t fromWorker() const {
     return fromWorker_;
   }
+  bool senderGraphIsFinal() const {
+    return senderGraphIsFinal_;
+  }
 
  private:
   const int64_t contextId_;
   const int64_t messageId_;
   const int64_t fromWorker_;
+  const bool senderGraphIsFinal_;
 };
 
 } // namespace autograd

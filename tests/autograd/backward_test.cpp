@@ -34,8 +34,15 @@ using zoo::Net;
 // A cluster whose workers run the zoo.
 class ZooCluster {
  public:
+  // Backward messages a worker sent (requests only).
+  struct Sent {
+    std::atomic<int> discover{0};
+    std::atomic<int> await{0};
+  };
+
   ZooCluster(TestTransport transport, int worldSize)
       : nets_(worldSize),
+        sent_(makeSent(worldSize)),
         cluster_(
             transport,
             worldSize,
@@ -55,6 +62,24 @@ class ZooCluster {
               rt.functions().add("times", [](at::Tensor value, at::Tensor x) {
                 return value * x;
               });
+              // Counts the backward messages this worker sends.
+              auto sent = sent_[rank];
+              rpc::MessageHook counter;
+              counter.name = "test.count";
+              counter.onSend = [sent](
+                                   const rpc::HookContext& context,
+                                   const std::vector<at::Tensor>&,
+                                   std::string*) {
+                if (context.isResponse) {
+                  return;
+                }
+                if (context.kind == autograd::kDiscoverKind) {
+                  ++sent->discover;
+                } else if (context.kind == autograd::kAwaitKind) {
+                  ++sent->await;
+                }
+              };
+              rt.agent().addHook(std::move(counter));
             }) {}
 
   rpc::Runtime& rt(int rank) {
@@ -99,8 +124,24 @@ class ZooCluster {
     return false;
   }
 
+  const Sent& sent(int rank) const {
+    return *sent_.at(rank);
+  }
+  rpc::InProcessNetwork& network() {
+    return *cluster_.network();
+  }
+
  private:
+  static std::vector<std::shared_ptr<Sent>> makeSent(int worldSize) {
+    std::vector<std::shared_ptr<Sent>> sent;
+    for (int rank = 0; rank < worldSize; ++rank) {
+      sent.push_back(std::make_shared<Sent>());
+    }
+    return sent;
+  }
+
   std::vector<std::shared_ptr<DistNet>> nets_;
+  std::vector<std::shared_ptr<Sent>> sent_;
   LocalCluster cluster_;
 };
 
@@ -195,6 +236,115 @@ class DistributedBackward : public ::testing::TestWithParam<TestTransport> {
   }
   std::unique_ptr<ZooCluster> cluster_;
 };
+
+// The trainer -> server shape: the server's output depends on its own
+// parameters only, so discovery could not find anything beyond it (D2').
+at::Tensor trainerStep(DistNet& trainer, const at::Tensor& x) {
+  auto out = trainer.run(1, "tanh_w", {x}).at(0);
+  return (out * trainer.param("v")).sum();
+}
+
+void expectTrainerGradients(
+    DistNet& trainer,
+    DistNet& server,
+    int64_t contextId,
+    const at::Tensor& x,
+    double passes = 1) {
+  // The same program in one process, with plain libtorch autograd.
+  auto w1 = Net::makeParam(1, "w");
+  auto v0 = Net::makeParam(0, "v");
+  ((x * w1).tanh() * v0).sum().backward();
+  expectGradient(
+      server.gradients(contextId, {"w"}).at(0),
+      passes * w1.grad(),
+      0,
+      "worker1's w");
+  expectGradient(
+      trainer.gradients(contextId, {"v"}).at(0),
+      passes * v0.grad(),
+      0,
+      "worker0's v");
+}
+
+TEST_P(DistributedBackward, ATrainerCallingAServerSkipsDiscovery) {
+  auto x = zoo::input(); // data: requires no grad
+  {
+    autograd::Context context(rt(0));
+    auto loss = trainerStep(net(0), x);
+    autograd::BackwardOptions options;
+    options.retainGraph = true;
+    context.backward({loss}, options);
+    context.backward({loss});
+    expectTrainerGradients(net(0), net(1), context.id(), x, 2);
+  }
+  EXPECT_EQ(cluster_->sent(0).discover.load(), 0);
+  EXPECT_EQ(cluster_->sent(0).await.load(), 2);
+  cluster_->expectNothingLeft();
+}
+
+TEST_P(DistributedBackward, DiscoveryRunsWhenAServerCallsOnward) {
+  // ChainAToBToC: worker1's output depends on what it received, so the
+  // pass must ask worker1 what it reaches.
+  runCase(*cluster_, zoo::cases().at(0));
+  EXPECT_GT(cluster_->sent(0).discover.load(), 0);
+  EXPECT_GT(cluster_->sent(1).discover.load(), 0);
+}
+
+TEST_P(DistributedBackward, GradientsBeforeTheAwaitWaitForIt) {
+  if (GetParam() != TestTransport::kInProcess) {
+    GTEST_SKIP() << "reorders messages with the in-process fault injector";
+  }
+  // Every kAwait reaches the server 300 ms late, after the gradients.
+  cluster_->network().setFaultInjector(
+      [](const std::string&, const std::string&, const rpc::Message& m) {
+        auto summary = rpc::summarizeMessage(m);
+        return summary && !summary->isResponse &&
+                summary->kind == autograd::kAwaitKind
+            ? rpc::FaultAction::delayOutOfOrder(std::chrono::milliseconds(300))
+            : rpc::FaultAction::deliver();
+      });
+  auto x = zoo::input();
+  {
+    autograd::Context context(rt(0));
+    context.backward({trainerStep(net(0), x)});
+    expectTrainerGradients(net(0), net(1), context.id(), x);
+  }
+  cluster_->network().setFaultInjector(nullptr);
+  EXPECT_EQ(cluster_->sent(0).discover.load(), 0);
+  cluster_->expectNothingLeft();
+}
+
+TEST_P(DistributedBackward, AnAwaitThatNeverComesEndsInTheDeadline) {
+  if (GetParam() != TestTransport::kInProcess) {
+    GTEST_SKIP() << "drops messages with the in-process fault injector";
+  }
+  cluster_->network().setFaultInjector(
+      [](const std::string&, const std::string&, const rpc::Message& m) {
+        auto summary = rpc::summarizeMessage(m);
+        return summary && !summary->isResponse &&
+                summary->kind == autograd::kAwaitKind
+            ? rpc::FaultAction::drop()
+            : rpc::FaultAction::deliver();
+      });
+  auto x = zoo::input();
+  {
+    autograd::Context context(rt(0));
+    autograd::BackwardOptions options;
+    options.deadline = std::chrono::milliseconds(300);
+    try {
+      context.backward({trainerStep(net(0), x)}, options);
+      ADD_FAILURE() << "the pass finished without its kAwait";
+    } catch (const rpc::RpcError& e) {
+      EXPECT_EQ(e.code(), rpc::ErrorCode::kTimeout) << e.what();
+      EXPECT_NE(std::string(e.what()).find("within 300 ms"), std::string::npos)
+          << e.what();
+    }
+  }
+  cluster_->network().setFaultInjector(nullptr);
+  // The server's held pass went with the context.
+  EXPECT_TRUE(cluster_->waitForNoContexts(std::chrono::seconds(5)));
+  cluster_->expectNothingLeft();
+}
 
 TEST_P(DistributedBackward, ParametersHeldThroughRRefs) {
   auto x = zoo::input().requires_grad_();

@@ -13,6 +13,7 @@
 
 #include "autograd/context.h"
 #include "autograd/context_container.h"
+#include "autograd/send_recv_functions.h"
 #include "rref/rref.h"
 #include "rref/rref_context.h"
 #include "tests/support/local_cluster.h"
@@ -124,6 +125,18 @@ TEST_P(AutogradRecording, TensorsRequiringGradGetSendAndRecvFunctions) {
     ASSERT_NE(onOne, nullptr);
     EXPECT_EQ(onOne->recvs().size(), 2u);
     EXPECT_EQ(onOne->sends().size(), 1u);
+    // Finality (Note [Distributed backward], D2'): x is a leaf here, so the
+    // graph behind worker0's sends reaches no recv; worker1's answer was
+    // computed from what it received, so the graph behind its send does.
+    for (const auto& entry : sends) {
+      EXPECT_TRUE(entry.second->graphIsFinal());
+    }
+    for (const auto& entry : onOne->recvs()) {
+      EXPECT_TRUE(entry.second->senderGraphIsFinal());
+    }
+    EXPECT_FALSE(onOne->sends().begin()->second->graphIsFinal());
+    EXPECT_FALSE(
+        context.recorded().recvs().begin()->second->senderGraphIsFinal());
   }
   EXPECT_EQ(liveContexts(), 0u);
 }
@@ -186,6 +199,9 @@ TEST_P(AutogradRecording, FetchingAnRRefRecordsTheOwnersSend) {
     EXPECT_EQ(
         sends.begin()->second->next_edges()[0].function->name(),
         "torch::autograd::AccumulateGrad");
+    EXPECT_TRUE(sends.begin()->second->graphIsFinal());
+    EXPECT_TRUE(
+        context.recorded().recvs().begin()->second->senderGraphIsFinal());
   }
   // Outside a context the copy is a plain tensor that requires grad.
   at::Tensor plain = parameter.toHere();
@@ -264,6 +280,19 @@ TEST_P(AutogradRecording, AGuardEndsWithoutWaitingForTheOtherWorkers) {
   EXPECT_GE(std::chrono::steady_clock::now() - start, 450ms);
   EXPECT_EQ(counters(1).liveContexts, 0u);
   cluster_->network()->setFaultInjector(nullptr);
+}
+
+TEST(SendFunctionFinality, GraphsLargerThanTheWalkLimitCountAsNotFinal) {
+  auto x = at::ones({2}).requires_grad_();
+  auto chain = [&](size_t nodes) {
+    auto y = x;
+    for (size_t i = 0; i < nodes; ++i) {
+      y = y * 1.0;
+    }
+    return autograd::SendFunction(1, 1, 1, {y}).graphIsFinal();
+  };
+  EXPECT_TRUE(chain(100));
+  EXPECT_FALSE(chain(autograd::SendFunction::kMaxFinalityWalk + 10));
 }
 
 INSTANTIATE_TEST_SUITE_P(
