@@ -195,6 +195,16 @@ std::shared_ptr<LocalBackward> DistEngine::createPass(
   return context->addPass(pass);
 }
 
+std::shared_ptr<LocalBackward> DistEngine::passOf(
+    const std::shared_ptr<DistContext>& context,
+    int64_t passId,
+    bool skippedDiscovery,
+    bool retainGraph) {
+  return skippedDiscovery
+      ? createPass(context, passId, retainGraph, /*holdsDeliveries=*/true)
+      : context->findPass(passId);
+}
+
 // ---- D1, D2, E1, E4 on the driver -------------------------------------------
 
 FuturePtr DistEngine::backward(
@@ -656,12 +666,11 @@ FuturePtr DistEngine::onGradients(rpc::Request&& request) {
   int64_t contextId = message.pass().context_id();
   int64_t passId = message.pass().pass_id();
   auto context = contextOrThrow(contextId);
-  auto pass = message.marks_come_with_await() ? createPass(
-                                                    context,
-                                                    passId,
-                                                    message.retain_graph(),
-                                                    /*holdsDeliveries=*/true)
-                                              : context->findPass(passId);
+  auto pass = passOf(
+      context,
+      passId,
+      message.marks_come_with_await(),
+      message.retain_graph());
   if (!pass) {
     throw rpc::RpcError(
         rpc::ErrorCode::kBadArguments,
@@ -699,12 +708,8 @@ FuturePtr DistEngine::onAwait(rpc::Request&& request) {
   int64_t contextId = message.pass().context_id();
   int64_t passId = message.pass().pass_id();
   auto context = contextOrThrow(contextId);
-  auto pass = message.carries_marks() ? createPass(
-                                            context,
-                                            passId,
-                                            message.retain_graph(),
-                                            /*holdsDeliveries=*/true)
-                                      : context->findPass(passId);
+  auto pass =
+      passOf(context, passId, message.carries_marks(), message.retain_graph());
   auto refuse = [&](const std::string& why) {
     auto error = rpc::makeRpcError(
         rpc::ErrorCode::kBadArguments,

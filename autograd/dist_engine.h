@@ -148,6 +148,15 @@ class DistEngine : public std::enable_shared_from_this<DistEngine> {
       int64_t passId,
       bool retainGraph,
       bool holdsDeliveries);
+  // The pass a message of a worker's part names: when that pass skipped
+  // discovery (D2'), the message may come before the kAwait that names
+  // what to wait for, so it creates the pass; otherwise nullptr if there
+  // is none.
+  std::shared_ptr<detail::LocalBackward> passOf(
+      const std::shared_ptr<DistContext>& context,
+      int64_t passId,
+      bool skippedDiscovery,
+      bool retainGraph);
   // E1: kAwait to each of `workers` (naming the sends to mark there when
   // discovery was skipped: `marks`), then the roots' gradients; the future
   // completes with the first error or when every part is done.

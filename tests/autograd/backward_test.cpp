@@ -130,6 +130,19 @@ class ZooCluster {
   rpc::InProcessNetwork& network() {
     return *cluster_.network();
   }
+  // In-process transport only: what happens to every kAwait request.
+  void actOnAwaits(rpc::FaultAction action) {
+    network().setFaultInjector([action](
+                                   const std::string&,
+                                   const std::string&,
+                                   const rpc::Message& m) {
+      auto summary = rpc::summarizeMessage(m);
+      return summary && !summary->isResponse &&
+              summary->kind == autograd::kAwaitKind
+          ? action
+          : rpc::FaultAction::deliver();
+    });
+  }
 
  private:
   static std::vector<std::shared_ptr<Sent>> makeSent(int worldSize) {
@@ -295,14 +308,8 @@ TEST_P(DistributedBackward, GradientsBeforeTheAwaitWaitForIt) {
     GTEST_SKIP() << "reorders messages with the in-process fault injector";
   }
   // Every kAwait reaches the server 300 ms late, after the gradients.
-  cluster_->network().setFaultInjector(
-      [](const std::string&, const std::string&, const rpc::Message& m) {
-        auto summary = rpc::summarizeMessage(m);
-        return summary && !summary->isResponse &&
-                summary->kind == autograd::kAwaitKind
-            ? rpc::FaultAction::delayOutOfOrder(std::chrono::milliseconds(300))
-            : rpc::FaultAction::deliver();
-      });
+  cluster_->actOnAwaits(
+      rpc::FaultAction::delayOutOfOrder(std::chrono::milliseconds(300)));
   auto x = zoo::input();
   {
     autograd::Context context(rt(0));
@@ -318,14 +325,7 @@ TEST_P(DistributedBackward, AnAwaitThatNeverComesEndsInTheDeadline) {
   if (GetParam() != TestTransport::kInProcess) {
     GTEST_SKIP() << "drops messages with the in-process fault injector";
   }
-  cluster_->network().setFaultInjector(
-      [](const std::string&, const std::string&, const rpc::Message& m) {
-        auto summary = rpc::summarizeMessage(m);
-        return summary && !summary->isResponse &&
-                summary->kind == autograd::kAwaitKind
-            ? rpc::FaultAction::drop()
-            : rpc::FaultAction::deliver();
-      });
+  cluster_->actOnAwaits(rpc::FaultAction::drop());
   auto x = zoo::input();
   {
     autograd::Context context(rt(0));
