@@ -16,6 +16,7 @@
 #include "autograd/backward.h"
 #include "autograd/context.h"
 #include "autograd/context_container.h"
+#include "proto/autograd/autograd.pb.h"
 #include "rref/rref.h"
 #include "rref/rref_context.h"
 #include "tests/support/autograd_zoo.h"
@@ -344,6 +345,55 @@ TEST_P(DistributedBackward, AnAwaitThatNeverComesEndsInTheDeadline) {
   // The server's held pass went with the context.
   EXPECT_TRUE(cluster_->waitForNoContexts(std::chrono::seconds(5)));
   cluster_->expectNothingLeft();
+}
+
+TEST_P(DistributedBackward, ForgedAwaitsAreRefused) {
+  autograd::Context context(rt(0));
+  auto x = zoo::input() * net(0).param("w");
+  auto y = net(0).run(1, "mul_w", {x}).at(0);
+  // Worker1's answer was computed from what it received: not final.
+  auto sends = ContextContainer::of(rt(1))->find(context.id())->sends();
+  ASSERT_EQ(sends.size(), 1u);
+  ASSERT_FALSE(sends.begin()->second->graphIsFinal());
+  auto forge = [&](int64_t passId, int64_t messageId) {
+    autograd::wire::Await message;
+    message.mutable_pass()->set_context_id(context.id());
+    message.mutable_pass()->set_pass_id(passId);
+    message.set_carries_marks(true);
+    message.add_marked_sends(messageId);
+    rpc::OutgoingRequest request;
+    request.kind = autograd::kAwaitKind;
+    request.body = message.SerializeAsString();
+    request.what = "forged";
+    request.timeout = std::chrono::seconds(10);
+    auto answer = rt(0).agent().send(rpc::WorkerRef(1), std::move(request));
+    answer->wait();
+    return answer;
+  };
+  auto expectRefused = [](const c10::intrusive_ptr<c10::ivalue::Future>& answer,
+                          const std::string& why) {
+    ASSERT_TRUE(answer->hasError());
+    try {
+      std::rethrow_exception(answer->exception_ptr());
+    } catch (const rpc::RpcError& e) {
+      EXPECT_EQ(e.code(), rpc::ErrorCode::kBadArguments) << e.what();
+      EXPECT_EQ(e.worker(), "worker1") << e.what();
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+    }
+  };
+  // Marking without discovery a send whose graph reaches another worker.
+  expectRefused(
+      forge(1001, sends.begin()->first),
+      "reaches tensors received from other workers");
+  expectRefused(forge(1002, 987654321), "no send #987654321 here");
+  EXPECT_EQ(ContextContainer::of(rt(1))->counters().livePasses, 0u);
+  // The context still runs a real pass, exactly.
+  context.backward({y.sum()});
+  expectGradient(
+      context.gradients().at(net(0).param("w")),
+      zoo::input() * Net::makeParam(1, "w").detach(),
+      0,
+      "worker0's w");
 }
 
 TEST_P(DistributedBackward, ParametersHeldThroughRRefs) {
