@@ -3,9 +3,6 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
 
-#include <future>
-#include <thread>
-
 #include "autograd/detail/futures.h"
 #include "proto/autograd/autograd.pb.h"
 #include "rpc/request_scope.h"
