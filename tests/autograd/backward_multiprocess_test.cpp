@@ -229,12 +229,18 @@ std::vector<pid_t> spawnWorkers(
 
 // Polls the counters of `ranks` (through "autograd_counters") until none
 // holds a context or a pass, or reports what is left at the deadline (zero:
-// one look). The calls go from a thread of their own: made on a thread with a
-// guard open, they would belong to its context, which may be released.
+// one look), once the releases `rt` started have been answered (a guard does
+// not wait for them). The calls go from a thread of their own: made on a
+// thread with a guard open, they would belong to its context, which may be
+// released.
 ::testing::AssertionResult nothingLeftOn(
     torchrpc::Runtime& rt,
     const std::vector<int>& ranks,
     std::chrono::milliseconds limit) {
+  if (!rt.autogradContexts().waitForReleases(10s)) {
+    return ::testing::AssertionFailure()
+        << rt.self().name << "'s releases were not answered within 10 s";
+  }
   auto poll = [&rt, &ranks, limit]() -> ::testing::AssertionResult {
     auto deadline = Clock::now() + limit;
     for (;;) {
