@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/List.h>
 #include <c10/util/Exception.h>
+#include <google/protobuf/message_lite.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
@@ -50,6 +51,19 @@ Message parseOrThrow(const rpc::Request& request, const char* what) {
         "malformed distributed backward message");
   }
   return message;
+}
+
+// A message of the backward pass, of `kind`, carrying `message`.
+rpc::OutgoingRequest passRequest(
+    uint32_t kind,
+    const google::protobuf::MessageLite& message,
+    std::chrono::milliseconds timeout) {
+  rpc::OutgoingRequest request;
+  request.kind = kind;
+  request.body = message.SerializeAsString();
+  request.what = kWhat;
+  request.timeout = timeout;
+  return request;
 }
 
 std::string describePass(int64_t contextId, int64_t passId) {
@@ -382,12 +396,9 @@ FuturePtr DistEngine::startReached(
         message.add_marked_sends(messageId);
       }
     }
-    rpc::OutgoingRequest request;
-    request.kind = kAwaitKind;
-    request.body = message.SerializeAsString();
-    request.what = kWhat;
-    request.timeout = timeout;
-    parts.push_back(agent_.send(rpc::WorkerRef(worker), std::move(request)));
+    parts.push_back(agent_.send(
+        rpc::WorkerRef(worker),
+        passRequest(kAwaitKind, message, timeout)));
   }
   pass->start();
   return firstErrorOrAll(parts);
@@ -427,13 +438,9 @@ FuturePtr DistEngine::discover(
     for (int64_t id : entry.second) {
       message.add_message_ids(id);
     }
-    rpc::OutgoingRequest request;
-    request.kind = kDiscoverKind;
-    request.body = message.SerializeAsString();
-    request.what = kWhat;
-    request.timeout = timeout;
-    answers.push_back(
-        agent_.send(rpc::WorkerRef(entry.first), std::move(request)));
+    answers.push_back(agent_.send(
+        rpc::WorkerRef(entry.first),
+        passRequest(kDiscoverKind, message, timeout)));
   }
   auto found = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
   int64_t selfId = selfId_;
@@ -467,11 +474,8 @@ void DistEngine::sendGradients(
     message.set_marks_come_with_await(true);
     message.set_retain_graph(pass->retainGraph());
   }
-  rpc::OutgoingRequest request;
-  request.kind = kGradientsKind;
-  request.body = message.SerializeAsString();
-  request.what = kWhat;
-  request.timeout = runtime_.options().defaultTimeout;
+  auto request =
+      passRequest(kGradientsKind, message, runtime_.options().defaultTimeout);
   for (auto& grad : grads) {
     request.values.emplace_back(
         grad.defined() ? c10::IValue(std::move(grad)) : c10::IValue());
@@ -545,15 +549,11 @@ FuturePtr DistEngine::abortPass(
   wire::Abort message;
   *message.mutable_pass() = passRef(contextId, passId);
   message.set_reason(reason);
-  std::string body = message.SerializeAsString();
+  auto timeout = std::min(kAbortTimeout, runtime_.options().defaultTimeout);
   for (int64_t worker : *workers) {
-    rpc::OutgoingRequest request;
-    request.kind = kAbortKind;
-    request.body = body;
-    request.what = kWhat;
-    request.timeout =
-        std::min(kAbortTimeout, runtime_.options().defaultTimeout);
-    auto answer = agent_.send(rpc::WorkerRef(worker), std::move(request));
+    auto answer = agent_.send(
+        rpc::WorkerRef(worker),
+        passRequest(kAbortKind, message, timeout));
     answer->addCallback(
         [waiting, worker, describeWaiting](c10::ivalue::Future& done) {
           if (done.hasError()) {
@@ -628,14 +628,12 @@ FuturePtr DistEngine::backwardOnOwner(
   message.set_context_id(contextId);
   message.set_retain_graph(options.retainGraph);
   message.set_deadline_ms(deadlineOf(options).count());
-  rpc::OutgoingRequest request;
-  request.kind = kBackwardOnOwnerKind;
-  request.body = message.SerializeAsString();
-  request.values.push_back(root);
-  request.what = kWhat;
   // The owner's pass has the deadline; its answer may take a little more.
-  request.timeout =
-      deadlineOf(options) + kAbortTimeout + runtime_.options().defaultTimeout;
+  auto request = passRequest(
+      kBackwardOnOwnerKind,
+      message,
+      deadlineOf(options) + kAbortTimeout + runtime_.options().defaultTimeout);
+  request.values.push_back(root);
   return agent_.send(rpc::WorkerRef(rref.owner()), std::move(request));
 }
 
