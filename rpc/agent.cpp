@@ -78,6 +78,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
         timerWork_(boost::asio::make_work_guard(timerContext_)),
         timer_(timerContext_) {
     timerThread_ = std::thread([this]() { timerContext_.run(); });
+    transport_->watchAwaitedReplies(awaitedReplies_);
   }
 
   ~AgentImpl() {
@@ -261,6 +262,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
         }
       }
       pending_.emplace(id, std::move(call));
+      awaitedReplies_->fetch_add(1, std::memory_order_relaxed);
       ++requestsSent_;
     }
     if (armTimer) {
@@ -681,6 +683,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       deadlines_.erase({it->second.deadline, it->first});
     }
     ++completing_;
+    awaitedReplies_->fetch_sub(1, std::memory_order_relaxed);
     return pending_.erase(it);
   }
 
@@ -1077,6 +1080,10 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
   mutable std::mutex mutex_;
   std::mutex connectMutex_;
   PendingMap pending_;
+  // pending_.size(), readable without the lock: the transport polls while
+  // it is not zero (Note [Polling after traffic]).
+  const std::shared_ptr<std::atomic<int64_t>> awaitedReplies_ =
+      std::make_shared<std::atomic<int64_t>>(0);
   // Calls taken out of pending_ whose completion is still running.
   size_t completing_ = 0;
   std::set<std::pair<Clock::time_point, uint64_t>> deadlines_;

@@ -54,6 +54,16 @@ Options Options::fromEnvironment() {
   int64_t spin = envInt("TORCHRPC_SPIN_US", options.spinAfterWork.count());
   TORCH_CHECK(spin >= 0, "TORCHRPC_SPIN_US must not be negative");
   options.spinAfterWork = std::chrono::microseconds(spin);
+  int64_t poll =
+      envInt("TORCHRPC_IO_POLL_US", options.ioPollAfterTraffic.count());
+  TORCH_CHECK(poll >= 0, "TORCHRPC_IO_POLL_US must not be negative");
+  options.ioPollAfterTraffic = std::chrono::microseconds(poll);
+  int64_t pollAwaiting =
+      envInt("TORCHRPC_IO_POLL_AWAIT_US", options.ioPollWhileAwaiting.count());
+  TORCH_CHECK(
+      pollAwaiting >= 0,
+      "TORCHRPC_IO_POLL_AWAIT_US must not be negative");
+  options.ioPollWhileAwaiting = std::chrono::microseconds(pollAwaiting);
   if (const char* transport = env("TORCHRPC_TRANSPORT")) {
     std::string name = transport;
     if (name == "tcp") {

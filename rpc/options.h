@@ -99,6 +99,16 @@ struct Options {
   // waiting on it fail with kWorkerUnavailable.
   std::chrono::milliseconds heartbeatInterval{std::chrono::seconds(1)};
   std::chrono::milliseconds peerTimeout{std::chrono::seconds(4)};
+  // kTcp only. After a message goes out or comes in, the transport's io
+  // thread polls the sockets instead of sleeping, so the next message finds
+  // it awake: for ioPollAfterTraffic, and for up to ioPollWhileAwaiting while
+  // this worker awaits replies (its callers are blocked anyway). On virtual
+  // machines a sleeping thread's wake-up costs more than a round trip; this
+  // spends up to a core while messages flow to avoid it. Idle workers sleep
+  // either way (heartbeats do not count). Zero turns either off. See
+  // Note [Polling after traffic].
+  std::chrono::microseconds ioPollAfterTraffic{1000};
+  std::chrono::microseconds ioPollWhileAwaiting{20000};
 
   // Per destination worker name: where tensors land there.
   std::map<std::string, DeviceMap> deviceMaps;

@@ -56,6 +56,8 @@ std::unique_ptr<Transport> makeTransport(
     tcp.sharedSecret = options.sharedSecret;
     tcp.heartbeatInterval = options.heartbeatInterval;
     tcp.peerTimeout = options.peerTimeout;
+    tcp.pollAfterTraffic = options.ioPollAfterTraffic;
+    tcp.pollWhileAwaiting = options.ioPollWhileAwaiting;
     return std::make_unique<detail::TcpTransport>(std::move(tcp));
   }
   detail::TensorPipeTransportOptions tp;
@@ -80,6 +82,10 @@ void validateOptions(const Options& options) {
       options.worldSize,
       ")");
   TORCH_CHECK(options.numWorkerThreads >= 1, "numWorkerThreads must be >= 1");
+  TORCH_CHECK(
+      options.ioPollAfterTraffic.count() >= 0 &&
+          options.ioPollWhileAwaiting.count() >= 0,
+      "ioPollAfterTraffic and ioPollWhileAwaiting must not be negative");
   for (const auto& destination : options.deviceMaps) {
     for (const auto& pair : destination.second) {
       // The source device must exist here; the target is checked where the

@@ -2,6 +2,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -101,6 +103,14 @@ class Transport {
 
   // Waits for the transport's threads to finish (after close()).
   virtual void join() = 0;
+
+  // Gives the transport a count, kept by its user, of the calls whose
+  // replies this process still awaits. A transport may read it to choose
+  // how to wait for the network (TcpTransport polls while replies are due;
+  // Note [Polling after traffic]); others ignore it. Call at most once,
+  // before listen().
+  virtual void watchAwaitedReplies(
+      std::shared_ptr<const std::atomic<int64_t>> /*count*/) {}
 };
 
 } // namespace rpc

@@ -364,6 +364,55 @@ struct TcpContext {
   const HostIdentity host;
   // Set once the io threads are gone: work is then done inline.
   std::atomic<bool> joined{false};
+  // For the io threads' polling (Note [Polling after traffic]): when a data
+  // frame last went out or came in (steady clock, ns), and the count of
+  // replies this process awaits (set once; owned by awaitedOwner).
+  std::atomic<int64_t> lastTraffic{0};
+  std::atomic<const std::atomic<int64_t>*> awaitedReplies{nullptr};
+  // Io threads of a polling transport blocked in the kernel (a thread about
+  // to block may not count yet: then it misses one wake-up to poll, which
+  // costs only latency).
+  std::atomic<int> sleepingIoThreads{0};
+  std::shared_ptr<const std::atomic<int64_t>> awaitedOwner;
+
+  bool polls() const {
+    return options.pollAfterTraffic.count() > 0 ||
+        options.pollWhileAwaiting.count() > 0;
+  }
+
+  void noteTraffic() {
+    if (polls()) {
+      lastTraffic.store(
+          Clock::now().time_since_epoch().count(),
+          std::memory_order_relaxed);
+    }
+  }
+
+  // Called when this process sends a data frame (on the sending thread):
+  // an io thread asleep in the kernel would only wake for the answer, too
+  // late to poll for it, so it is woken now to start polling.
+  void noteSend() {
+    if (!polls()) {
+      return;
+    }
+    noteTraffic();
+    if (sleepingIoThreads.load() > 0 && keepPolling()) {
+      asio::post(io, []() {});
+    }
+  }
+
+  // Whether an io thread that found nothing to do should poll on.
+  bool keepPolling() const {
+    auto quiet = std::chrono::nanoseconds(
+        Clock::now().time_since_epoch().count() -
+        lastTraffic.load(std::memory_order_relaxed));
+    if (quiet < options.pollAfterTraffic) {
+      return true;
+    }
+    const std::atomic<int64_t>* awaited = awaitedReplies.load();
+    return quiet < options.pollWhileAwaiting && awaited != nullptr &&
+        awaited->load(std::memory_order_relaxed) > 0;
+  }
 
   std::mutex mutex;
   bool closed = false;
@@ -450,6 +499,7 @@ class TcpConnectionImpl
       done(&error);
       return;
     }
+    context_->noteSend();
     const size_t count = message.tensors.size();
     const size_t minBytes =
         std::max<size_t>(1, context_->options.zeroCopyMinBytes);
@@ -1186,6 +1236,7 @@ class TcpConnectionImpl
         return;
       }
     }
+    context_->noteTraffic();
     // onMessage_ changes only on this strand once started.
     onMessage_(std::move(message));
     readFrameHeaderFromLoop();
@@ -1828,11 +1879,21 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
     }
   }
 
+  void watchAwaitedReplies(std::shared_ptr<const std::atomic<int64_t>> count) {
+    TORCH_CHECK(!context_->awaitedOwner, "watchAwaitedReplies() called twice");
+    context_->awaitedOwner = std::move(count);
+    context_->awaitedReplies.store(context_->awaitedOwner.get());
+  }
+
  private:
   void runIo() {
     while (true) {
       try {
-        context_->io.run();
+        if (context_->polls()) {
+          runIoPolling();
+        } else {
+          context_->io.run();
+        }
         break;
       } catch (const std::exception& e) {
         // A callback threw; keep serving the other connections.
@@ -1844,6 +1905,90 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
     --running_;
     runningCv_.notify_all();
   }
+
+  // Note [Polling after traffic]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // An io thread normally sleeps in epoll_wait, and on a virtual machine
+  // waking it (and its idle vCPU) costs tens to hundreds of microseconds per
+  // message, more the longer it slept. When polling is on, an io thread
+  // that finds nothing ready keeps polling instead (a zero-timeout
+  // epoll_wait, yielding the CPU in between) while the last data frame is
+  // younger than pollAfterTraffic (a conversation's next message is likely
+  // near), or younger than pollWhileAwaiting while this process awaits
+  // replies (its callers are blocked anyway). Then it sleeps as before.
+  // Heartbeats do not count as traffic, so an idle worker uses no CPU; a
+  // busy one spends up to a core per io thread on lower latency.
+  // bench/RESULTS.md has the measurements.
+  void runIoPolling() {
+    asio::io_context& io = context_->io;
+    PollingSlot slot;
+    while (!io.stopped()) {
+      if (io.poll() > 0) {
+        continue;
+      }
+      if (context_->keepPolling() && !io.stopped() && slot.take()) {
+        std::this_thread::yield();
+        continue;
+      }
+      slot.release();
+      if (sleepUntilWork() == 0) {
+        return; // stopped, or no work left
+      }
+    }
+  }
+
+  // io.run_one(), counted in sleepingIoThreads meanwhile.
+  size_t sleepUntilWork() {
+    struct Counted {
+      std::atomic<int>& count;
+      explicit Counted(std::atomic<int>& c) : count(c) {
+        count.fetch_add(1);
+      }
+      ~Counted() {
+        count.fetch_sub(1);
+      }
+    } counted(context_->sleepingIoThreads);
+    return context_->io.run_one();
+  }
+
+  // At most one io thread of a process polls at a time, so several workers
+  // in one process (tests, mostly) never poll at once. Released when the
+  // thread stops polling, also by an exception from a handler.
+  class PollingSlot {
+   public:
+    PollingSlot() = default;
+    PollingSlot(const PollingSlot&) = delete;
+    PollingSlot& operator=(const PollingSlot&) = delete;
+    ~PollingSlot() {
+      release();
+    }
+
+    // True if this thread holds the slot (already, or from now on).
+    bool take() {
+      if (!held_) {
+        held_ = holders().fetch_add(1) == 0;
+        if (!held_) {
+          holders().fetch_sub(1); // another io thread polls
+        }
+      }
+      return held_;
+    }
+
+    void release() {
+      if (held_) {
+        holders().fetch_sub(1);
+        held_ = false;
+      }
+    }
+
+   private:
+    static std::atomic<int>& holders() {
+      static std::atomic<int> count{0};
+      return count;
+    }
+
+    bool held_ = false;
+  };
 
   void acceptNext(const std::shared_ptr<tcp::acceptor>& acceptor) {
     Strand strand = asio::make_strand(context_->io);
@@ -1951,6 +2096,11 @@ std::shared_ptr<Connection> TcpTransport::connect(const std::string& address) {
 
 void TcpTransport::close() {
   impl_->close();
+}
+
+void TcpTransport::watchAwaitedReplies(
+    std::shared_ptr<const std::atomic<int64_t>> count) {
+  impl_->watchAwaitedReplies(std::move(count));
 }
 
 void TcpTransport::join() {

@@ -38,6 +38,13 @@ struct TcpTransportOptions {
   std::chrono::milliseconds peerTimeout{4000};
   // Threads running the sockets' reads, timers and accepts.
   int ioThreads = 1;
+  // After a data frame is sent or received, the io threads poll the
+  // sockets for pollAfterTraffic instead of sleeping in the kernel, so the
+  // next message finds them awake; for pollWhileAwaiting instead while
+  // replies are due (watchAwaitedReplies()). Zero turns either off. See
+  // Note [Polling after traffic].
+  std::chrono::microseconds pollAfterTraffic{0};
+  std::chrono::microseconds pollWhileAwaiting{0};
   // Tensors of at least zeroCopyMinBytes sent to a peer on this host that
   // proved it can read our memory travel as (address, length) and are read
   // by the peer with process_vm_readv: one copy instead of two plus the
@@ -149,6 +156,8 @@ class TcpTransport : public Transport {
   // Bounded: waits for the io threads at most a few seconds. Must not run on
   // a callback.
   void join() override;
+  void watchAwaitedReplies(
+      std::shared_ptr<const std::atomic<int64_t>> count) override;
 
  private:
   std::shared_ptr<TcpTransportImpl> impl_;

@@ -822,6 +822,116 @@ TEST(TcpTransportLiveness, KilledPeerFailsTheConnectionPromptly) {
   EXPECT_EQ(sendErrors.load(), 1);
 }
 
+// ---- Polling after traffic (Note [Polling after traffic]) ----
+//
+// Whether an io thread polls shows in the CPU the process uses while
+// nothing happens: a poller uses most of a vCPU, a sleeper nothing. The
+// bounds leave room for a loaded machine, where a poller gets less.
+
+double processCpuMs() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+double cpuMsOver(std::chrono::milliseconds window) {
+  double before = processCpuMs();
+  std::this_thread::sleep_for(window);
+  return processCpuMs() - before;
+}
+
+detail::TcpTransportOptions quietOptions(std::string name) {
+  auto options = testOptions(std::move(name));
+  options.heartbeatInterval = 10s; // no frames but ours
+  options.peerTimeout = 30s;
+  return options;
+}
+
+TEST(TcpTransportPolling, PollsAfterTrafficThenSleeps) {
+  auto options = quietOptions("server");
+  options.pollAfterTraffic = 400ms;
+  detail::TcpTransport server(options);
+  detail::TcpTransport client(quietOptions("client")); // never polls
+  Acceptor acceptor(server);
+  auto connection = client.connect(server.address());
+  startWithInbox(connection);
+  auto accepted = acceptor.waitFor(0);
+  ASSERT_NE(accepted.connection, nullptr);
+  // The handshake is not traffic.
+  double afterHandshake = cpuMsOver(200ms);
+  EXPECT_LT(afterHandshake, 20) << "ms of CPU after the handshake";
+
+  auto received = Clock::now();
+  connection->send(makeMessage("x"), [](const TransportError*) {});
+  ASSERT_TRUE(accepted.inbox->waitForMessages(1, kTimeout));
+  double polling = cpuMsOver(200ms);
+  EXPECT_GT(polling, 40) << "ms of CPU within the window";
+  std::this_thread::sleep_until(received + 500ms); // past the window
+  double sleeping = cpuMsOver(300ms);
+  EXPECT_LT(sleeping, 20) << "ms of CPU after the window";
+  EXPECT_TRUE(accepted.inbox->errors().empty());
+}
+
+TEST(TcpTransportPolling, PollsWhileRepliesAreDueAndNotOtherwise) {
+  auto options = quietOptions("client");
+  options.pollWhileAwaiting = 1s;
+  detail::TcpTransport client(options);
+  auto awaited = std::make_shared<std::atomic<int64_t>>(0);
+  client.watchAwaitedReplies(awaited);
+  EXPECT_THROW(client.watchAwaitedReplies(awaited), c10::Error);
+  detail::TcpTransport server(quietOptions("server"));
+  Acceptor acceptor(server);
+  auto connection = client.connect(server.address());
+  startWithInbox(connection);
+  auto accepted = acceptor.waitFor(0);
+  ASSERT_NE(accepted.connection, nullptr);
+
+  // Traffic, but nothing awaited: the client sleeps.
+  connection->send(makeMessage("a"), [](const TransportError*) {});
+  ASSERT_TRUE(accepted.inbox->waitForMessages(1, kTimeout));
+  double nothingDue = cpuMsOver(200ms);
+  EXPECT_LT(nothingDue, 20) << "ms of CPU with no reply due";
+
+  // A reply due: it polls, and stops as soon as nothing is due any more.
+  awaited->store(1);
+  auto sent = Clock::now();
+  connection->send(makeMessage("b"), [](const TransportError*) {});
+  ASSERT_TRUE(accepted.inbox->waitForMessages(2, kTimeout));
+  double replyDue = cpuMsOver(200ms);
+  EXPECT_GT(replyDue, 40) << "ms of CPU while a reply is due";
+  awaited->store(0);
+  std::this_thread::sleep_for(20ms);
+  double answered = cpuMsOver(200ms);
+  EXPECT_LT(answered, 20) << "ms of CPU once nothing is due";
+
+  // Still due, but the window since the last message has passed.
+  awaited->store(1);
+  std::this_thread::sleep_until(sent + 1100ms);
+  double pastWindow = cpuMsOver(200ms);
+  EXPECT_LT(pastWindow, 20) << "ms of CPU after the window";
+  awaited->store(0);
+}
+
+TEST(TcpTransportPolling, OneIoThreadPerProcessPollsAtATime) {
+  auto options = quietOptions("a");
+  options.pollAfterTraffic = 1s;
+  detail::TcpTransport a(options);
+  options.name = "b";
+  detail::TcpTransport b(options);
+  Acceptor acceptor(b);
+  auto connection = a.connect(b.address());
+  startWithInbox(connection);
+  auto accepted = acceptor.waitFor(0);
+  ASSERT_NE(accepted.connection, nullptr);
+  // Traffic on both transports: each would poll on its own.
+  connection->send(makeMessage("x"), [](const TransportError*) {});
+  ASSERT_TRUE(accepted.inbox->waitForMessages(1, kTimeout));
+  double both = cpuMsOver(200ms);
+  // Two pollers on this 2-vCPU machine use about 400 ms here; one, 200.
+  EXPECT_GT(both, 40);
+  EXPECT_LT(both, 300) << "ms of CPU: more than one io thread polls";
+}
+
 // ---- Micro-measurement (prints, asserts nothing about speed) ----
 
 double cpuSecondsOf(pid_t pid) {
