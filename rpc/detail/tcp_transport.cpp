@@ -1917,8 +1917,8 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
   // near), or younger than pollWhileAwaiting while this process awaits
   // replies (its callers are blocked anyway). Then it sleeps as before.
   // Heartbeats do not count as traffic, so an idle worker uses no CPU; a
-  // busy one spends up to a core per io thread on lower latency.
-  // bench/RESULTS.md has the measurements.
+  // busy one spends up to a core on lower latency (one io thread per
+  // process polls at a time). bench/RESULTS.md has the measurements.
   void runIoPolling() {
     asio::io_context& io = context_->io;
     PollingSlot slot;

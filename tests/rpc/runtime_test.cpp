@@ -523,6 +523,37 @@ TEST(RuntimeSetup, RankOutsideWorldIsRefused) {
   EXPECT_THROW(rpc::Runtime("w", options), c10::Error);
 }
 
+TEST(RuntimeSetup, NegativeIoPollingIsRefused) {
+  rpc::Options options;
+  options.inProcessNetwork = std::make_shared<rpc::InProcessNetwork>();
+  options.ioPollWhileAwaiting = std::chrono::microseconds(-1);
+  try {
+    rpc::Runtime("w", options);
+    ADD_FAILURE() << "a negative ioPollWhileAwaiting was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(
+        std::string(e.what()).find("must not be negative"),
+        std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(RuntimeSetup, IoPollingComesFromTheEnvironment) {
+  setenv("TORCHRPC_IO_POLL_US", "5000", 1);
+  setenv("TORCHRPC_IO_POLL_AWAIT_US", "0", 1);
+  auto options = rpc::Options::fromEnvironment();
+  EXPECT_EQ(options.ioPollAfterTraffic, std::chrono::microseconds(5000));
+  EXPECT_EQ(options.ioPollWhileAwaiting, std::chrono::microseconds(0));
+  setenv("TORCHRPC_IO_POLL_US", "-3", 1);
+  EXPECT_THROW(rpc::Options::fromEnvironment(), c10::Error);
+  unsetenv("TORCHRPC_IO_POLL_US");
+  unsetenv("TORCHRPC_IO_POLL_AWAIT_US");
+  // Unset, the defaults stand.
+  EXPECT_EQ(
+      rpc::Options::fromEnvironment().ioPollAfterTraffic,
+      rpc::Options().ioPollAfterTraffic);
+}
+
 TEST(RuntimeSetup, DeviceMapNamingAMissingDeviceIsRefused) {
   if (at::hasCUDA()) {
     GTEST_SKIP() << "this machine has CUDA";

@@ -12,6 +12,7 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -20,6 +21,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <mutex>
@@ -824,20 +826,50 @@ TEST(TcpTransportLiveness, KilledPeerFailsTheConnectionPromptly) {
 
 // ---- Polling after traffic (Note [Polling after traffic]) ----
 //
-// Whether an io thread polls shows in the CPU the process uses while
-// nothing happens: a poller uses most of a vCPU, a sleeper nothing. The
-// bounds leave room for a loaded machine, where a poller gets less.
+// A polling io thread is always running or runnable (state R in
+// /proc/self/task/*/stat), a sleeping one is not; unlike CPU time, that
+// holds on a loaded machine too, where a thread that yields gets little.
 
-double processCpuMs() {
-  timespec ts;
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+// For each sample taken every 2 ms over `window`: how many threads of this
+// process other than the calling one were in state R.
+std::vector<int> runnableOtherThreadsOver(std::chrono::milliseconds window) {
+  const std::string self = std::to_string(::syscall(SYS_gettid));
+  std::vector<int> samples;
+  auto end = Clock::now() + window;
+  while (Clock::now() < end) {
+    int runnable = 0;
+    for (const auto& task :
+         std::filesystem::directory_iterator("/proc/self/task")) {
+      if (task.path().filename() == self) {
+        continue;
+      }
+      std::ifstream stat(task.path() / "stat");
+      std::string content((std::istreambuf_iterator<char>(stat)), {});
+      auto close = content.rfind(')');
+      if (close != std::string::npos && close + 2 < content.size() &&
+          content[close + 2] == 'R') {
+        ++runnable;
+      }
+    }
+    samples.push_back(runnable);
+    std::this_thread::sleep_for(2ms);
+  }
+  return samples;
 }
 
-double cpuMsOver(std::chrono::milliseconds window) {
-  double before = processCpuMs();
-  std::this_thread::sleep_for(window);
-  return processCpuMs() - before;
+// The share of samples with at least `threads` other threads in state R.
+double shareWithRunnable(const std::vector<int>& samples, int threads) {
+  if (samples.empty()) {
+    return 0;
+  }
+  auto count = std::count_if(samples.begin(), samples.end(), [&](int n) {
+    return n >= threads;
+  });
+  return static_cast<double>(count) / samples.size();
+}
+
+double pollingShareOver(std::chrono::milliseconds window) {
+  return shareWithRunnable(runnableOtherThreadsOver(window), 1);
 }
 
 detail::TcpTransportOptions quietOptions(std::string name) {
@@ -858,17 +890,14 @@ TEST(TcpTransportPolling, PollsAfterTrafficThenSleeps) {
   auto accepted = acceptor.waitFor(0);
   ASSERT_NE(accepted.connection, nullptr);
   // The handshake is not traffic.
-  double afterHandshake = cpuMsOver(200ms);
-  EXPECT_LT(afterHandshake, 20) << "ms of CPU after the handshake";
+  EXPECT_LT(pollingShareOver(200ms), 0.2) << "after the handshake";
 
   auto received = Clock::now();
   connection->send(makeMessage("x"), [](const TransportError*) {});
   ASSERT_TRUE(accepted.inbox->waitForMessages(1, kTimeout));
-  double polling = cpuMsOver(200ms);
-  EXPECT_GT(polling, 40) << "ms of CPU within the window";
+  EXPECT_GT(pollingShareOver(200ms), 0.8) << "within the window";
   std::this_thread::sleep_until(received + 500ms); // past the window
-  double sleeping = cpuMsOver(300ms);
-  EXPECT_LT(sleeping, 20) << "ms of CPU after the window";
+  EXPECT_LT(pollingShareOver(300ms), 0.2) << "after the window";
   EXPECT_TRUE(accepted.inbox->errors().empty());
 }
 
@@ -889,26 +918,22 @@ TEST(TcpTransportPolling, PollsWhileRepliesAreDueAndNotOtherwise) {
   // Traffic, but nothing awaited: the client sleeps.
   connection->send(makeMessage("a"), [](const TransportError*) {});
   ASSERT_TRUE(accepted.inbox->waitForMessages(1, kTimeout));
-  double nothingDue = cpuMsOver(200ms);
-  EXPECT_LT(nothingDue, 20) << "ms of CPU with no reply due";
+  EXPECT_LT(pollingShareOver(200ms), 0.2) << "with no reply due";
 
   // A reply due: it polls, and stops as soon as nothing is due any more.
   awaited->store(1);
   auto sent = Clock::now();
   connection->send(makeMessage("b"), [](const TransportError*) {});
   ASSERT_TRUE(accepted.inbox->waitForMessages(2, kTimeout));
-  double replyDue = cpuMsOver(200ms);
-  EXPECT_GT(replyDue, 40) << "ms of CPU while a reply is due";
+  EXPECT_GT(pollingShareOver(200ms), 0.8) << "while a reply is due";
   awaited->store(0);
   std::this_thread::sleep_for(20ms);
-  double answered = cpuMsOver(200ms);
-  EXPECT_LT(answered, 20) << "ms of CPU once nothing is due";
+  EXPECT_LT(pollingShareOver(200ms), 0.2) << "once nothing is due";
 
   // Still due, but the window since the last message has passed.
   awaited->store(1);
   std::this_thread::sleep_until(sent + 1100ms);
-  double pastWindow = cpuMsOver(200ms);
-  EXPECT_LT(pastWindow, 20) << "ms of CPU after the window";
+  EXPECT_LT(pollingShareOver(200ms), 0.2) << "after the window";
   awaited->store(0);
 }
 
@@ -926,10 +951,9 @@ TEST(TcpTransportPolling, OneIoThreadPerProcessPollsAtATime) {
   // Traffic on both transports: each would poll on its own.
   connection->send(makeMessage("x"), [](const TransportError*) {});
   ASSERT_TRUE(accepted.inbox->waitForMessages(1, kTimeout));
-  double both = cpuMsOver(200ms);
-  // Two pollers on this 2-vCPU machine use about 400 ms here; one, 200.
-  EXPECT_GT(both, 40);
-  EXPECT_LT(both, 300) << "ms of CPU: more than one io thread polls";
+  auto samples = runnableOtherThreadsOver(200ms);
+  EXPECT_GT(shareWithRunnable(samples, 1), 0.8) << "no io thread polls";
+  EXPECT_LT(shareWithRunnable(samples, 2), 0.2) << "both io threads poll";
 }
 
 // ---- Micro-measurement (prints, asserts nothing about speed) ----
