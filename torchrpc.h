@@ -12,18 +12,18 @@
 #include <string>
 #include <utility>
 
-#include "autograd/backward.h"
-#include "autograd/context.h"
-#include "autograd/context_container.h"
-#include "rpc/errors.h"
-#include "rpc/function_registry.h"
-#include "rpc/future.h"
-#include "rpc/inprocess_transport.h"
-#include "rpc/options.h"
-#include "rpc/runtime.h"
-#include "rpc/worker_info.h"
-#include "rref/rref.h"
-#include "rref/rref_context.h"
+#include "torchrpc/autograd/backward.h"
+#include "torchrpc/autograd/context.h"
+#include "torchrpc/autograd/context_container.h"
+#include "torchrpc/rpc/errors.h"
+#include "torchrpc/rpc/function_registry.h"
+#include "torchrpc/rpc/future.h"
+#include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
+#include "torchrpc/rpc/options.h"
+#include "torchrpc/rpc/runtime.h"
+#include "torchrpc/rpc/worker_info.h"
+#include "torchrpc/rref/rref.h"
+#include "torchrpc/rref/rref_context.h"
 
 namespace torchrpc {
 

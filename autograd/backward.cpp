@@ -1,8 +1,8 @@
-#include "autograd/backward.h"
+#include "torchrpc/autograd/backward.h"
 
 #include <c10/util/Exception.h>
 
-#include "autograd/context_container.h"
+#include "torchrpc/autograd/context_container.h"
 
 namespace torchrpc {
 namespace autograd {

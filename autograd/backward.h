@@ -7,15 +7,15 @@
 #include <cstdint>
 #include <vector>
 
-#include "autograd/dist_engine.h"
-#include "rpc/runtime.h"
-#include "rref/rref.h"
+#include "torchrpc/autograd/engine/dist_engine.h"
+#include "torchrpc/rpc/runtime.h"
+#include "torchrpc/rref/rref.h"
 
 namespace torchrpc {
 namespace autograd {
 
 // The distributed backward pass of context `contextId`, driven from this
-// worker (see Note [Distributed backward] in autograd/dist_engine.h).
+// worker (see Note [Distributed backward] in autograd/engine/dist_engine.h).
 //
 // `roots` are tensors of this worker; `grads` their gradients (empty, or one
 // per root; an undefined one is an implicit 1, allowed only for one-element

@@ -1,4 +1,4 @@
-#include "autograd/context.h"
+#include "torchrpc/autograd/context.h"
 
 namespace torchrpc {
 namespace autograd {

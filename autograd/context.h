@@ -3,10 +3,10 @@
 #include <cstdint>
 #include <memory>
 
-#include "autograd/backward.h"
-#include "autograd/context_container.h"
-#include "autograd/dist_context.h"
-#include "rpc/runtime.h"
+#include "torchrpc/autograd/backward.h"
+#include "torchrpc/autograd/context_container.h"
+#include "torchrpc/autograd/dist_context.h"
+#include "torchrpc/rpc/runtime.h"
 
 namespace torchrpc {
 namespace autograd {

@@ -1,11 +1,11 @@
-#include "autograd/context_container.h"
+#include "torchrpc/autograd/context_container.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
 
-#include "autograd/detail/futures.h"
+#include "torchrpc/autograd/detail/futures.h"
 #include "proto/autograd/autograd.pb.h"
-#include "rpc/request_scope.h"
+#include "torchrpc/rpc/request_scope.h"
 
 namespace torchrpc {
 namespace autograd {

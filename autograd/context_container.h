@@ -13,10 +13,10 @@
 #include <utility>
 #include <vector>
 
-#include "autograd/dist_context.h"
-#include "autograd/dist_engine.h"
-#include "rpc/runtime.h"
-#include "rpc/runtime_layer.h"
+#include "torchrpc/autograd/dist_context.h"
+#include "torchrpc/autograd/engine/dist_engine.h"
+#include "torchrpc/rpc/runtime.h"
+#include "torchrpc/rpc/runtime_layer.h"
 
 namespace torchrpc {
 namespace autograd {

@@ -1,6 +1,6 @@
-#include "autograd/dist_context.h"
+#include "torchrpc/autograd/dist_context.h"
 
-#include "rpc/errors.h"
+#include "torchrpc/rpc/errors.h"
 
 namespace torchrpc {
 namespace autograd {

@@ -11,8 +11,8 @@
 #include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
 
-#include "autograd/local_backward.h"
-#include "autograd/send_recv_functions.h"
+#include "torchrpc/autograd/engine/local_backward.h"
+#include "torchrpc/autograd/send_recv_functions.h"
 
 namespace torchrpc {
 namespace autograd {

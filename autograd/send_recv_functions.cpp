@@ -1,4 +1,4 @@
-#include "autograd/send_recv_functions.h"
+#include "torchrpc/autograd/send_recv_functions.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/functions/utils.h>

@@ -7,7 +7,7 @@
 #include <benchmark/benchmark.h>
 
 #include "proto/rpc/envelope.pb.h"
-#include "rpc/detail/value_codec.h"
+#include "torchrpc/rpc/wire/value_codec.h"
 
 namespace {
 

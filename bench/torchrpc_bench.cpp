@@ -30,7 +30,7 @@
 #include <thread>
 #include <vector>
 
-#include "torchrpc.h"
+#include "torchrpc/torchrpc.h"
 
 namespace {
 

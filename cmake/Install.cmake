@@ -14,12 +14,11 @@
 #                      torchrpcTargets.cmake
 #
 # Users write #include <torchrpc/torchrpc.h>; inside, headers include each
-# other as "rpc/errors.h", so each layer target carries include/torchrpc and
-# the umbrella target carries include.
+# other as "torchrpc/rpc/errors.h", so every target carries include/.
 #
-# TORCHRPC_LAYER_TARGETS lists one library target per layer folder, named
-# torchrpc_<folder>. Set it before include(Install) when layers are added:
-#   set(TORCHRPC_LAYER_TARGETS torchrpc_rpc torchrpc_rref torchrpc_autograd ...)
+# TORCHRPC_LAYER_TARGETS lists one library target per layer folder, made by
+# torchrpc_add_layer() (cmake/TorchrpcLayer.cmake), which also records each
+# layer's explicit list of public headers: only those are installed.
 # Each is exported as torchrpc::<folder> (the same name as its alias in the
 # build tree), the umbrella `torchrpc` as torchrpc::torchrpc.
 
@@ -51,12 +50,17 @@ foreach(layerTarget IN LISTS TORCHRPC_LAYER_TARGETS)
   if(NOT installRpath)
     set_target_properties(${layerTarget} PROPERTIES INSTALL_RPATH "$ORIGIN")
   endif()
-  install(
-    DIRECTORY "${PROJECT_SOURCE_DIR}/${layer}/"
-    DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}/torchrpc/${layer}"
-    FILES_MATCHING
-      PATTERN "*.h"
-      PATTERN "detail" EXCLUDE)
+  get_target_property(publicHeaders ${layerTarget} TORCHRPC_PUBLIC_HEADERS)
+  if(NOT publicHeaders)
+    message(FATAL_ERROR
+      "${layerTarget} lists no public headers (torchrpc_add_layer PUBLIC_HEADERS)")
+  endif()
+  foreach(header IN LISTS publicHeaders)
+    get_filename_component(headerDir "${header}" DIRECTORY)
+    install(
+      FILES "${PROJECT_SOURCE_DIR}/${layer}/${header}"
+      DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}/torchrpc/${layer}/${headerDir}")
+  endforeach()
 endforeach()
 
 set_target_properties(torchrpc PROPERTIES EXPORT_NAME torchrpc)

@@ -1,4 +1,4 @@
-#include "rpc/agent.h"
+#include "torchrpc/rpc/agent.h"
 
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
@@ -16,9 +16,9 @@
 #include <unordered_set>
 
 #include "proto/rpc/envelope.pb.h"
-#include "rpc/detail/spinning_thread_pool.h"
-#include "rpc/detail/value_codec.h"
-#include "rpc/request_scope.h"
+#include "torchrpc/rpc/detail/spinning_thread_pool.h"
+#include "torchrpc/rpc/wire/value_codec.h"
+#include "torchrpc/rpc/request_scope.h"
 
 namespace torchrpc {
 namespace rpc {

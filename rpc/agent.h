@@ -10,12 +10,14 @@
 #include <string>
 #include <vector>
 
-#include "rpc/errors.h"
-#include "rpc/options.h"
-#include "rpc/request_scope.h"
-#include "rpc/transport.h"
-#include "rpc/value_extension.h"
-#include "rpc/worker_info.h"
+#include "torchrpc/rpc/errors.h"
+#include "torchrpc/rpc/message_hook.h"
+#include "torchrpc/rpc/options.h"
+#include "torchrpc/rpc/request.h"
+#include "torchrpc/rpc/request_scope.h"
+#include "torchrpc/rpc/transport/transport.h"
+#include "torchrpc/rpc/value_extension.h"
+#include "torchrpc/rpc/worker_info.h"
 
 namespace c10 {
 class TaskThreadPoolBase;
@@ -23,75 +25,6 @@ class TaskThreadPoolBase;
 
 namespace torchrpc {
 namespace rpc {
-
-// Message kinds. Each layer declares its own and registers a handler for
-// each at start-up; rpc/ owns [1, 15], later layers take ranges above.
-constexpr uint32_t kCallMessageKind = 1;
-
-// An incoming request, as a handler sees it.
-struct Request {
-  WorkerInfo from;
-  uint64_t id = 0;
-  uint32_t kind = 0;
-  // Kind-specific bytes (for kCallMessageKind, the function name).
-  std::string body;
-  // Arguments, decoded (receive hooks have already run).
-  std::vector<c10::IValue> values;
-};
-
-// Handles one kind of request on the agent's thread pool. The returned
-// future's value is sent back as the response; its error is sent back as
-// the response's status (an RpcError keeps its code, anything else becomes
-// kRemoteException). A handler may also throw; that counts as an error.
-using RequestHandler =
-    std::function<c10::intrusive_ptr<c10::ivalue::Future>(Request&&)>;
-
-// A request to send.
-struct OutgoingRequest {
-  uint32_t kind = kCallMessageKind;
-  std::string body;
-  std::vector<c10::IValue> values;
-  // Names the operation in errors (the function name for calls).
-  std::string what;
-  // Zero means no deadline.
-  std::chrono::milliseconds timeout{0};
-  // Set only when the returned future is waited on and never shown to
-  // anyone who could attach callbacks: the response is then completed on
-  // the transport's thread, saving a hand-off (see agent.cpp).
-  bool awaitedSynchronously = false;
-};
-
-// What a hook knows of the message it sees.
-struct HookContext {
-  const WorkerInfo& peer;
-  uint32_t kind;
-  uint64_t messageId;
-  bool isResponse;
-  // For a response: the request it answers, if that carried metadata.
-  const RequestScope* request;
-};
-
-// Lets an upper layer see every message's tensors and attach metadata, e.g.
-// to record autograd send/recv edges. onSend runs on the sending thread once
-// the values are encoded; `tensors` are the original tensors, in wire order.
-// Whatever it writes into *metadata travels under the hook's name (nothing
-// travels if it stays empty). onReceive runs on a pool thread before values
-// are decoded; it may replace tensors (keeping the count); metadata is
-// nullptr when the sender attached none. A hook that throws fails that
-// message (kInternal on send, kMalformedMessage on receive).
-struct MessageHook {
-  std::string name;
-  std::function<void(
-      const HookContext& context,
-      const std::vector<at::Tensor>& tensors,
-      std::string* metadata)>
-      onSend;
-  std::function<void(
-      const HookContext& context,
-      std::vector<at::Tensor>& tensors,
-      const std::string* metadata)>
-      onReceive;
-};
 
 // Counters, readable by tests and metrics.
 struct AgentCounters {

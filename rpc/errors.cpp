@@ -1,4 +1,4 @@
-#include "rpc/errors.h"
+#include "torchrpc/rpc/errors.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,4 +1,4 @@
-#include "rpc/function_registry.h"
+#include "torchrpc/rpc/function_registry.h"
 
 #include <c10/util/Exception.h>
 

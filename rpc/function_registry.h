@@ -12,9 +12,9 @@
 #include <utility>
 #include <vector>
 
-#include "rpc/errors.h"
-#include "rpc/future.h"
-#include "rpc/value_types.h"
+#include "torchrpc/rpc/errors.h"
+#include "torchrpc/rpc/future.h"
+#include "torchrpc/rpc/value_types.h"
 
 namespace torchrpc {
 namespace rpc {

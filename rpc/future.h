@@ -8,9 +8,9 @@
 #include <type_traits>
 #include <utility>
 
-#include "rpc/errors.h"
-#include "rpc/request_scope.h"
-#include "rpc/value_types.h"
+#include "torchrpc/rpc/errors.h"
+#include "torchrpc/rpc/request_scope.h"
+#include "torchrpc/rpc/value_types.h"
 
 namespace torchrpc {
 namespace rpc {

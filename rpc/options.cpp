@@ -1,4 +1,4 @@
-#include "rpc/options.h"
+#include "torchrpc/rpc/options.h"
 
 #include <c10/util/Exception.h>
 

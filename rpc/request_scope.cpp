@@ -1,4 +1,4 @@
-#include "rpc/request_scope.h"
+#include "torchrpc/rpc/request_scope.h"
 
 #include <utility>
 

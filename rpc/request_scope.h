@@ -4,7 +4,7 @@
 #include <memory>
 #include <string>
 
-#include "rpc/worker_info.h"
+#include "torchrpc/rpc/worker_info.h"
 
 namespace torchrpc {
 namespace rpc {

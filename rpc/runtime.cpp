@@ -1,15 +1,15 @@
-#include "rpc/runtime.h"
+#include "torchrpc/rpc/runtime.h"
 
 #include <ATen/Context.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include "rpc/detail/call_handler.h"
-#include "rpc/detail/rendezvous.h"
-#include "rpc/detail/tcp_transport.h"
-#include "rpc/detail/tensorpipe_transport.h"
-#include "rpc/inprocess_transport.h"
+#include "torchrpc/rpc/detail/call_handler.h"
+#include "torchrpc/rpc/detail/rendezvous.h"
+#include "torchrpc/rpc/transport/tcp/tcp_transport.h"
+#include "torchrpc/rpc/transport/tensorpipe/tensorpipe_transport.h"
+#include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
 
 namespace torchrpc {
 namespace rpc {

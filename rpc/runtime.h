@@ -10,14 +10,14 @@
 #include <utility>
 #include <vector>
 
-#include "rpc/agent.h"
-#include "rpc/errors.h"
-#include "rpc/function_registry.h"
-#include "rpc/future.h"
-#include "rpc/options.h"
-#include "rpc/runtime_layer.h"
-#include "rpc/value_types.h"
-#include "rpc/worker_info.h"
+#include "torchrpc/rpc/agent.h"
+#include "torchrpc/rpc/errors.h"
+#include "torchrpc/rpc/function_registry.h"
+#include "torchrpc/rpc/future.h"
+#include "torchrpc/rpc/options.h"
+#include "torchrpc/rpc/runtime_layer.h"
+#include "torchrpc/rpc/value_types.h"
+#include "torchrpc/rpc/worker_info.h"
 
 namespace torchrpc {
 namespace rpc {

@@ -8,11 +8,11 @@
 #include <utility>
 #include <vector>
 
-#include "rpc/future.h"
-#include "rpc/runtime.h"
-#include "rpc/value_types.h"
-#include "rref/rref_context.h"
-#include "rref/rref_handle.h"
+#include "torchrpc/rpc/future.h"
+#include "torchrpc/rpc/runtime.h"
+#include "torchrpc/rpc/value_types.h"
+#include "torchrpc/rref/rref_context.h"
+#include "torchrpc/rref/rref_handle.h"
 
 namespace torchrpc {
 namespace rref {

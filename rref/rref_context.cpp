@@ -1,4 +1,4 @@
-#include "rref/rref_context.h"
+#include "torchrpc/rref/rref_context.h"
 
 // RRefContext: set-up, sending, counters and shutdown. The protocol itself
 // is split by side: rref_user_side.cpp, rref_owner_side.cpp and
@@ -8,9 +8,9 @@
 #include <c10/util/Logging.h>
 
 #include "proto/rref/rref.pb.h"
-#include "rref/detail/context_internals.h"
-#include "rref/detail/records.h"
-#include "rref/rref_handle.h"
+#include "torchrpc/rref/detail/context_internals.h"
+#include "torchrpc/rref/detail/records.h"
+#include "torchrpc/rref/rref_handle.h"
 
 namespace torchrpc {
 namespace rref {

@@ -13,9 +13,9 @@
 #include <unordered_set>
 #include <vector>
 
-#include "rpc/runtime.h"
-#include "rpc/runtime_layer.h"
-#include "rref/rref_id.h"
+#include "torchrpc/rpc/runtime.h"
+#include "torchrpc/rpc/runtime_layer.h"
+#include "torchrpc/rref/rref_id.h"
 
 namespace torchrpc {
 namespace rref {

@@ -1,11 +1,11 @@
-#include "rref/rref_handle.h"
+#include "torchrpc/rref/rref_handle.h"
 
-#include "rpc/errors.h"
+#include "torchrpc/rpc/errors.h"
 
 #include <c10/util/Exception.h>
 
-#include "rref/detail/records.h"
-#include "rref/rref_context.h"
+#include "torchrpc/rref/detail/records.h"
+#include "torchrpc/rref/rref_context.h"
 
 namespace torchrpc {
 namespace rref {

@@ -6,8 +6,8 @@
 #include <memory>
 #include <string>
 
-#include "rpc/worker_info.h"
-#include "rref/rref_id.h"
+#include "torchrpc/rpc/worker_info.h"
+#include "torchrpc/rref/rref_id.h"
 
 namespace torchrpc {
 namespace rref {

@@ -1,4 +1,4 @@
-#include "rref/rref_context.h"
+#include "torchrpc/rref/rref_context.h"
 
 // RRefContext, owner side: the handlers of the rref/ message kinds and the
 // owner table (records, forks, tombstones).
@@ -7,9 +7,9 @@
 #include <c10/util/Logging.h>
 
 #include "proto/rref/rref.pb.h"
-#include "rref/detail/context_internals.h"
-#include "rref/detail/records.h"
-#include "rref/rref_handle.h"
+#include "torchrpc/rref/detail/context_internals.h"
+#include "torchrpc/rref/detail/records.h"
+#include "torchrpc/rref/rref_handle.h"
 
 namespace torchrpc {
 namespace rref {

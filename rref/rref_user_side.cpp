@@ -1,4 +1,4 @@
-#include "rref/rref_context.h"
+#include "torchrpc/rref/rref_context.h"
 
 // RRefContext, user side: creating RRefs, using them, and the forks this
 // worker holds (confirmation, pending children, deletion).
@@ -9,9 +9,9 @@
 #include <mutex>
 
 #include "proto/rref/rref.pb.h"
-#include "rref/detail/context_internals.h"
-#include "rref/detail/records.h"
-#include "rref/rref_handle.h"
+#include "torchrpc/rref/detail/context_internals.h"
+#include "torchrpc/rref/detail/records.h"
+#include "torchrpc/rref/rref_handle.h"
 
 namespace torchrpc {
 namespace rref {

@@ -1,4 +1,4 @@
-#include "rref/rref_context.h"
+#include "torchrpc/rref/rref_context.h"
 
 // RRefContext: RRefs inside values. Encoding forks a reference (R1);
 // decoding adopts one (R2, R3).
@@ -7,9 +7,9 @@
 #include <c10/util/Logging.h>
 
 #include "proto/rref/rref.pb.h"
-#include "rref/detail/context_internals.h"
-#include "rref/detail/records.h"
-#include "rref/rref_handle.h"
+#include "torchrpc/rref/detail/context_internals.h"
+#include "torchrpc/rref/detail/records.h"
+#include "torchrpc/rref/rref_handle.h"
 
 namespace torchrpc {
 namespace rref {

@@ -1,10 +1,10 @@
-#include "rpc/detail/builtin_operators.h"
+#include "torchrpc/rpc/detail/builtin_operators.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/function_schema.h>
 #include <c10/util/Exception.h>
 
-#include "rpc/errors.h"
+#include "torchrpc/rpc/errors.h"
 
 namespace torchrpc {
 namespace rpc {

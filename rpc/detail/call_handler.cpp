@@ -1,7 +1,7 @@
-#include "rpc/detail/call_handler.h"
+#include "torchrpc/rpc/detail/call_handler.h"
 
-#include "rpc/detail/builtin_operators.h"
-#include "rpc/errors.h"
+#include "torchrpc/rpc/detail/builtin_operators.h"
+#include "torchrpc/rpc/errors.h"
 
 namespace torchrpc {
 namespace rpc {

@@ -1,7 +1,7 @@
 #pragma once
 
-#include "rpc/agent.h"
-#include "rpc/function_registry.h"
+#include "torchrpc/rpc/request.h"
+#include "torchrpc/rpc/function_registry.h"
 
 namespace torchrpc {
 namespace rpc {

@@ -1,4 +1,4 @@
-#include "rpc/detail/rendezvous.h"
+#include "torchrpc/rpc/detail/rendezvous.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>

@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "rpc/options.h"
-#include "rpc/worker_info.h"
+#include "torchrpc/rpc/options.h"
+#include "torchrpc/rpc/worker_info.h"
 
 namespace c10d {
 class Store;

@@ -1,4 +1,4 @@
-#include "rpc/detail/spinning_thread_pool.h"
+#include "torchrpc/rpc/detail/spinning_thread_pool.h"
 
 #include <c10/util/Logging.h>
 

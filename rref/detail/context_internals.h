@@ -9,11 +9,11 @@
 #include <string>
 
 #include "proto/rref/rref.pb.h"
-#include "rpc/agent.h"
-#include "rpc/errors.h"
-#include "rref/detail/records.h"
-#include "rref/rref_context.h"
-#include "rref/rref_handle.h"
+#include "torchrpc/rpc/agent.h"
+#include "torchrpc/rpc/errors.h"
+#include "torchrpc/rref/detail/records.h"
+#include "torchrpc/rref/rref_context.h"
+#include "torchrpc/rref/rref_handle.h"
 
 namespace torchrpc {
 namespace rref {

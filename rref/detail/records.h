@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <unordered_set>
 
-#include "rref/rref_id.h"
+#include "torchrpc/rref/rref_id.h"
 
 namespace torchrpc {
 namespace rref {

@@ -1,4 +1,4 @@
-// Tier 3: Note [Distributed backward] (autograd/dist_engine.h) with one
+// Tier 3: Note [Distributed backward] (autograd/engine/dist_engine.h) with one
 // process per worker, over each real transport. Worker0 drives: it runs every
 // zoo case and compares each worker's gradients, fetched by calls, with plain
 // libtorch autograd on the same program; a node that throws, a deadline and a
@@ -28,7 +28,7 @@
 #include "tests/support/child_processes.h"
 #include "tests/support/local_cluster.h"
 #include "tests/support/zoo_workers.h"
-#include "torchrpc.h"
+#include "torchrpc/torchrpc.h"
 
 namespace torchrpc {
 namespace testing {

@@ -1,4 +1,4 @@
-// Tier 2: Note [Distributed backward] (autograd/dist_engine.h) with several
+// Tier 2: Note [Distributed backward] (autograd/engine/dist_engine.h) with several
 // workers in one process, over the in-process and TCP transports. Every
 // gradient is compared with plain libtorch autograd on the same program.
 
@@ -13,12 +13,12 @@
 #include <thread>
 #include <vector>
 
-#include "autograd/backward.h"
-#include "autograd/context.h"
-#include "autograd/context_container.h"
+#include "torchrpc/autograd/backward.h"
+#include "torchrpc/autograd/context.h"
+#include "torchrpc/autograd/context_container.h"
 #include "proto/autograd/autograd.pb.h"
-#include "rref/rref.h"
-#include "rref/rref_context.h"
+#include "torchrpc/rref/rref.h"
+#include "torchrpc/rref/rref_context.h"
 #include "tests/support/autograd_zoo.h"
 #include "tests/support/local_cluster.h"
 #include "tests/support/zoo_workers.h"

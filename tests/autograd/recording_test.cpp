@@ -11,11 +11,11 @@
 #include <thread>
 #include <vector>
 
-#include "autograd/context.h"
-#include "autograd/context_container.h"
-#include "autograd/send_recv_functions.h"
-#include "rref/rref.h"
-#include "rref/rref_context.h"
+#include "torchrpc/autograd/context.h"
+#include "torchrpc/autograd/context_container.h"
+#include "torchrpc/autograd/send_recv_functions.h"
+#include "torchrpc/rref/rref.h"
+#include "torchrpc/rref/rref_context.h"
 #include "tests/support/local_cluster.h"
 
 namespace torchrpc {

@@ -7,8 +7,8 @@
 #include <future>
 
 #include "proto/rpc/envelope.pb.h"
-#include "rpc/inprocess_transport.h"
-#include "rpc/request_scope.h"
+#include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
+#include "torchrpc/rpc/request_scope.h"
 #include "tests/support/local_cluster.h"
 
 namespace torchrpc {

@@ -1,7 +1,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-#include "rpc/function_registry.h"
+#include "torchrpc/rpc/function_registry.h"
 
 namespace torchrpc {
 namespace {

@@ -10,7 +10,7 @@
 
 #include <random>
 
-#include "rpc/detail/tcp_transport.h"
+#include "torchrpc/rpc/transport/tcp/tcp_transport.h"
 #include "tests/support/local_cluster.h"
 
 namespace torchrpc {

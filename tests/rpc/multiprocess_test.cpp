@@ -12,7 +12,7 @@
 #include <string>
 #include <thread>
 
-#include "rpc/runtime.h"
+#include "torchrpc/rpc/runtime.h"
 #include "tests/support/child_processes.h"
 
 namespace torchrpc {

@@ -8,8 +8,8 @@
 #include <future>
 #include <unistd.h>
 
-#include "rpc/inprocess_transport.h"
-#include "rpc/runtime.h"
+#include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
+#include "torchrpc/rpc/runtime.h"
 
 namespace torchrpc {
 namespace {

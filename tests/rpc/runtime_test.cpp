@@ -8,7 +8,7 @@
 #include <chrono>
 #include <thread>
 
-#include "rpc/runtime.h"
+#include "torchrpc/rpc/runtime.h"
 #include "tests/support/local_cluster.h"
 
 namespace torchrpc {

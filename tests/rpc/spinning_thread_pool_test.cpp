@@ -6,7 +6,7 @@
 #include <mutex>
 #include <thread>
 
-#include "rpc/detail/spinning_thread_pool.h"
+#include "torchrpc/rpc/detail/spinning_thread_pool.h"
 
 namespace torchrpc {
 namespace {

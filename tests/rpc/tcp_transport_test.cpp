@@ -1,5 +1,5 @@
 // What only the TCP transport promises (see Note [TCP transport wire format]
-// in rpc/detail/tcp_transport.h): a listener that survives hostile peers,
+// in rpc/transport/tcp/tcp_transport.h): a listener that survives hostile peers,
 // shared-secret authentication, heartbeats that detect stopped and killed
 // peers, and a micro-measurement against TensorPipe. The conformance suite
 // in transport_test.cpp covers the Transport contract itself.
@@ -31,9 +31,9 @@
 #include <thread>
 #include <vector>
 
-#include "rpc/detail/tcp_transport.h"
-#include "rpc/detail/tensorpipe_transport.h"
-#include "rpc/transport.h"
+#include "torchrpc/rpc/transport/tcp/tcp_transport.h"
+#include "torchrpc/rpc/transport/tensorpipe/tensorpipe_transport.h"
+#include "torchrpc/rpc/transport/transport.h"
 #include "tests/support/transport_harness.h"
 
 namespace torchrpc {

@@ -1,4 +1,4 @@
-// One conformance suite for every Transport (see rpc/transport.h), run over
+// One conformance suite for every Transport (see rpc/transport/transport.h), run over
 // the in-process transport and TensorPipe, plus tests of what only one of
 // them has (fault injection, TensorPipe channels and shm).
 
@@ -21,10 +21,10 @@
 #include <thread>
 #include <vector>
 
-#include "rpc/detail/tcp_transport.h"
-#include "rpc/detail/tensorpipe_transport.h"
-#include "rpc/inprocess_transport.h"
-#include "rpc/transport.h"
+#include "torchrpc/rpc/transport/tcp/tcp_transport.h"
+#include "torchrpc/rpc/transport/tensorpipe/tensorpipe_transport.h"
+#include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
+#include "torchrpc/rpc/transport/transport.h"
 #include "tests/support/transport_harness.h"
 
 namespace torchrpc {

@@ -3,7 +3,7 @@
 // either succeed or throw RpcError(kMalformedMessage), without crashing or
 // allocating more than the message itself justifies.
 
-#include "rpc/detail/value_codec.h"
+#include "torchrpc/rpc/wire/value_codec.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "rpc/errors.h"
+#include "torchrpc/rpc/errors.h"
 
 namespace torchrpc {
 namespace rpc {

@@ -1,4 +1,4 @@
-#include "rpc/detail/value_codec.h"
+#include "torchrpc/rpc/wire/value_codec.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "rpc/errors.h"
+#include "torchrpc/rpc/errors.h"
 
 namespace torchrpc {
 namespace rpc {

@@ -24,7 +24,7 @@
 
 #include "tests/support/child_processes.h"
 #include "tests/support/rref_cluster.h"
-#include "torchrpc.h"
+#include "torchrpc/torchrpc.h"
 
 namespace torchrpc {
 namespace testing {

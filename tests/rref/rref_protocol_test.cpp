@@ -14,7 +14,7 @@
 #include <thread>
 #include <vector>
 
-#include "rpc/inprocess_transport.h"
+#include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
 #include "tests/support/rref_cluster.h"
 
 namespace torchrpc {

@@ -18,7 +18,7 @@
 #include <thread>
 #include <vector>
 
-#include "rpc/options.h"
+#include "torchrpc/rpc/options.h"
 
 namespace torchrpc {
 namespace testing {

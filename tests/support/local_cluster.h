@@ -13,8 +13,8 @@
 #include <thread>
 #include <vector>
 
-#include "rpc/inprocess_transport.h"
-#include "rpc/runtime.h"
+#include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
+#include "torchrpc/rpc/runtime.h"
 
 namespace torchrpc {
 namespace testing {

@@ -12,8 +12,8 @@
 #include <string>
 #include <thread>
 
-#include "rref/rref.h"
-#include "rref/rref_context.h"
+#include "torchrpc/rref/rref.h"
+#include "torchrpc/rref/rref_context.h"
 #include "tests/support/local_cluster.h"
 
 namespace torchrpc {

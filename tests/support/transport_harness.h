@@ -1,6 +1,6 @@
 #pragma once
 
-// Harness for tests of Transport implementations (rpc/transport.h): waits
+// Harness for tests of Transport implementations (rpc/transport/transport.h): waits
 // with timeouts on what connections receive, accept and complete.
 
 #include <ATen/ATen.h>
@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "rpc/transport.h"
+#include "torchrpc/rpc/transport/transport.h"
 
 namespace torchrpc {
 namespace rpc {

@@ -11,9 +11,9 @@
 #include <utility>
 #include <vector>
 
-#include "autograd/backward.h"
-#include "autograd/context_container.h"
-#include "rpc/runtime.h"
+#include "torchrpc/autograd/backward.h"
+#include "torchrpc/autograd/context_container.h"
+#include "torchrpc/rpc/runtime.h"
 #include "tests/support/autograd_zoo.h"
 
 namespace torchrpc {

@@ -4,7 +4,7 @@
 #include <memory>
 #include <string>
 
-#include "rpc/transport.h"
+#include "torchrpc/rpc/transport/transport.h"
 
 // NB: Boost.Asio and OpenSSL stay out of this header; the .cpp includes
 // them.

@@ -9,7 +9,7 @@
 #include <optional>
 #include <string>
 
-#include "rpc/transport.h"
+#include "torchrpc/rpc/transport/transport.h"
 
 namespace torchrpc {
 namespace rpc {

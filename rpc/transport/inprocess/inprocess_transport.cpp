@@ -1,4 +1,4 @@
-#include "rpc/inprocess_transport.h"
+#include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
 
 #include <c10/util/Exception.h>
 
@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "proto/rpc/envelope.pb.h"
-#include "rpc/detail/receive_buffer_pool.h"
-#include "rpc/detail/value_codec.h"
+#include "torchrpc/rpc/transport/receive_buffer_pool.h"
+#include "torchrpc/rpc/wire/value_codec.h"
 
 namespace torchrpc {
 namespace rpc {

@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "proto/rpc/envelope.pb.h"
-#include "rpc/options.h"
-#include "rpc/value_extension.h"
+#include "torchrpc/rpc/options.h"
+#include "torchrpc/rpc/value_extension.h"
 
 namespace torchrpc {
 namespace rpc {

@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "rpc/transport.h"
+#include "torchrpc/rpc/transport/transport.h"
 
 // NB: TensorPipe stays out of this header (see STYLE.md, section 1); the
 // .cpp includes it.

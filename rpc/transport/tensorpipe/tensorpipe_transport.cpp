@@ -1,4 +1,4 @@
-#include "rpc/detail/tensorpipe_transport.h"
+#include "torchrpc/rpc/transport/tensorpipe/tensorpipe_transport.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
@@ -18,7 +18,7 @@
 #include <thread>
 #include <utility>
 
-#include "rpc/detail/receive_buffer_pool.h"
+#include "torchrpc/rpc/transport/receive_buffer_pool.h"
 
 namespace torchrpc {
 namespace rpc {

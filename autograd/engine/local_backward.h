@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-#include "autograd/send_recv_functions.h"
+#include "torchrpc/autograd/send_recv_functions.h"
 
 namespace torchrpc {
 namespace autograd {
@@ -26,7 +26,7 @@ namespace detail {
 // pass reaches, how many gradients each still waits for, and running them.
 // Knows nothing of messages: DistEngine feeds it what peers send and sends
 // what it produces. See Note [Distributed backward] in
-// autograd/dist_engine.h; this class implements its steps D2 and E1-E4 on
+// autograd/engine/dist_engine.h; this class implements its steps D2 and E1-E4 on
 // one worker.
 //
 // Thread-safe. Nodes run on the thread that made them ready, one at a time

@@ -1,4 +1,4 @@
-#include "autograd/local_backward.h"
+#include "torchrpc/autograd/engine/local_backward.h"
 
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
@@ -8,7 +8,7 @@
 
 #include <sstream>
 
-#include "rpc/errors.h"
+#include "torchrpc/rpc/errors.h"
 
 namespace torchrpc {
 namespace autograd {

@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "autograd/dist_context.h"
-#include "autograd/local_backward.h"
-#include "rpc/runtime.h"
+#include "torchrpc/autograd/dist_context.h"
+#include "torchrpc/autograd/engine/local_backward.h"
+#include "torchrpc/rpc/runtime.h"
 
 namespace torchrpc {
 namespace autograd {

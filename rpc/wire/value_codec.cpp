@@ -1,4 +1,4 @@
-#include "rpc/detail/value_codec.h"
+#include "torchrpc/rpc/wire/value_codec.h"
 
 #include <google/protobuf/io/coded_stream.h>
 
@@ -13,7 +13,7 @@
 #include <sstream>
 #include <utility>
 
-#include "rpc/errors.h"
+#include "torchrpc/rpc/errors.h"
 
 namespace torchrpc {
 namespace rpc {

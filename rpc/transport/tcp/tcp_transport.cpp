@@ -1,4 +1,4 @@
-#include "rpc/detail/tcp_transport.h"
+#include "torchrpc/rpc/transport/tcp/tcp_transport.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
@@ -39,7 +39,7 @@
 #include <utility>
 #include <vector>
 
-#include "rpc/detail/receive_buffer_pool.h"
+#include "torchrpc/rpc/transport/receive_buffer_pool.h"
 
 namespace torchrpc {
 namespace rpc {

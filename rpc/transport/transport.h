@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "rpc/errors.h"
+#include "torchrpc/rpc/errors.h"
 
 namespace torchrpc {
 namespace rpc {

@@ -1,4 +1,4 @@
-#include "autograd/dist_engine.h"
+#include "torchrpc/autograd/engine/dist_engine.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/List.h>
@@ -10,10 +10,10 @@
 #include <set>
 #include <sstream>
 
-#include "autograd/context_container.h"
-#include "autograd/detail/futures.h"
+#include "torchrpc/autograd/context_container.h"
+#include "torchrpc/autograd/detail/futures.h"
 #include "proto/autograd/autograd.pb.h"
-#include "rref/rref.h"
+#include "torchrpc/rref/rref.h"
 
 namespace torchrpc {
 namespace autograd {

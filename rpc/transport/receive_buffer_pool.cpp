@@ -1,4 +1,4 @@
-#include "rpc/detail/receive_buffer_pool.h"
+#include "torchrpc/rpc/transport/receive_buffer_pool.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

@@ -1,0 +1,59 @@
+#pragma once
+
+// The handler contract every layer programs against: the request a handler
+// sees, the handler itself, and the request an upper layer sends. The agent
+// implements it (rpc/agent.h); upper layers and rpc's own call handler use
+// it without including the agent.
+
+#include <ATen/core/ivalue.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "torchrpc/rpc/worker_info.h"
+
+namespace torchrpc {
+namespace rpc {
+
+// Message kinds. Each layer declares its own and registers a handler for
+// each at start-up; rpc/ owns [1, 15], later layers take ranges above.
+constexpr uint32_t kCallMessageKind = 1;
+
+// An incoming request, as a handler sees it.
+struct Request {
+  WorkerInfo from;
+  uint64_t id = 0;
+  uint32_t kind = 0;
+  // Kind-specific bytes (for kCallMessageKind, the function name).
+  std::string body;
+  // Arguments, decoded (receive hooks have already run).
+  std::vector<c10::IValue> values;
+};
+
+// Handles one kind of request on the agent's thread pool. The returned
+// future's value is sent back as the response; its error is sent back as
+// the response's status (an RpcError keeps its code, anything else becomes
+// kRemoteException). A handler may also throw; that counts as an error.
+using RequestHandler =
+    std::function<c10::intrusive_ptr<c10::ivalue::Future>(Request&&)>;
+
+// A request to send.
+struct OutgoingRequest {
+  uint32_t kind = kCallMessageKind;
+  std::string body;
+  std::vector<c10::IValue> values;
+  // Names the operation in errors (the function name for calls).
+  std::string what;
+  // Zero means no deadline.
+  std::chrono::milliseconds timeout{0};
+  // Set only when the returned future is waited on and never shown to
+  // anyone who could attach callbacks: the response is then completed on
+  // the transport's thread, saving a hand-off (see agent.cpp).
+  bool awaitedSynchronously = false;
+};
+
+} // namespace rpc
+} // namespace torchrpc
