@@ -16,6 +16,7 @@
 #include "torchrpc/autograd/backward.h"
 #include "torchrpc/autograd/context.h"
 #include "torchrpc/autograd/context_container.h"
+#include "torchrpc/autograd/messages.h"
 #include "proto/autograd/autograd.pb.h"
 #include "torchrpc/rref/rref.h"
 #include "torchrpc/rref/rref_context.h"
