@@ -444,6 +444,27 @@ TEST_P(DistributedBackward, BackwardStartedThroughAnRRefOnItsOwner) {
   cluster_->expectNothingLeft();
 }
 
+// kBackwardOnOwner carries its context (autograd::isBackwardPassKind says
+// why): here it is the only message of the context that reaches the owner,
+// which must still hear of the release.
+TEST_P(
+    DistributedBackward,
+    AnOwnerReachedOnlyThroughBackwardOnOwnerIsReleased) {
+  auto x = zoo::input();
+  {
+    // Made outside the context: its forward is not part of it.
+    auto loss = rref::remote<at::Tensor>(rt(0), "worker1", "loss_scalar", x);
+    autograd::Context context(rt(0));
+    context.backwardOnOwner(loss);
+    expectGradient(
+        net(1).gradients(context.id(), {"w"}).at(0),
+        x,
+        0,
+        "worker1's w");
+  }
+  cluster_->expectNothingLeft();
+}
+
 TEST_P(DistributedBackward, ConcurrentContextsNeverMix) {
   const auto& chain = zoo::cases().at(0);
   ASSERT_EQ(chain.name, "ChainAToBToC");
