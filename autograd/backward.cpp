@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include "torchrpc/autograd/context_container.h"
+#include "torchrpc/autograd/engine/dist_engine.h"
 
 namespace torchrpc {
 namespace autograd {

@@ -4,15 +4,25 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 
+#include <chrono>
 #include <cstdint>
 #include <vector>
 
-#include "torchrpc/autograd/engine/dist_engine.h"
 #include "torchrpc/rpc/runtime.h"
 #include "torchrpc/rref/rref.h"
 
 namespace torchrpc {
 namespace autograd {
+
+// Options of one distributed backward pass.
+struct BackwardOptions {
+  // Keep the graph's saved tensors so that the context can run backward
+  // again (the gradients of both passes add up in the context).
+  bool retainGraph = false;
+  // The whole pass must finish within this; zero means the runtime's
+  // Options::defaultTimeout.
+  std::chrono::milliseconds deadline{0};
+};
 
 // The distributed backward pass of context `contextId`, driven from this
 // worker (see Note [Distributed backward] in autograd/engine/dist_engine.h).

@@ -3,16 +3,18 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
 
-#include "torchrpc/autograd/detail/futures.h"
 #include "proto/autograd/autograd.pb.h"
+#include "torchrpc/autograd/detail/wire.h"
+#include "torchrpc/autograd/engine/dist_engine.h"
+#include "torchrpc/autograd/messages.h"
+#include "torchrpc/rpc/future.h"
 #include "torchrpc/rpc/request_scope.h"
 
 namespace torchrpc {
 namespace autograd {
 
-using detail::allOf;
-using detail::FuturePtr;
-using detail::readyFuture;
+using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
+using rpc::readyFuture;
 
 namespace {
 
@@ -41,7 +43,25 @@ wire::AutogradMetadata parseMetadata(const std::string& bytes) {
 std::shared_ptr<ContextContainer> ContextContainer::install(
     rpc::Runtime& runtime) {
   auto container = std::make_shared<ContextContainer>(Token{}, runtime);
-  container->engine_ = std::make_shared<DistEngine>(runtime, container);
+  // The engine reaches the contexts through the container, which owns it:
+  // weakly, so the two never keep each other alive.
+  std::weak_ptr<ContextContainer> weak = container;
+  DistEngine::ContextTable contexts;
+  contexts.find = [weak](int64_t id) -> std::shared_ptr<DistContext> {
+    auto self = weak.lock();
+    return self ? self->find(id) : nullptr;
+  };
+  contexts.join = [weak](int64_t id) {
+    auto self = weak.lock();
+    TORCH_CHECK(self, "the distributed autograd layer is gone");
+    return self->join(id);
+  };
+  contexts.release = [weak](int64_t id) {
+    auto self = weak.lock();
+    return self ? self->releaseAsync(id) : readyFuture();
+  };
+  container->engine_ =
+      std::make_shared<DistEngine>(runtime, std::move(contexts));
   container->registerWithAgent();
   container->engine_->registerWithAgent();
   runtime.addLayer(container);
@@ -95,7 +115,7 @@ void ContextContainer::registerWithAgent() {
   agent_.addHook(std::move(hook));
   agent_.registerHandler(
       kReleaseContextKind,
-      "autograd.releaseContext",
+      detail::kReleaseContextWhat,
       [weak](rpc::Request&& request) -> FuturePtr {
         auto self = weak.lock();
         if (!self) {
@@ -189,8 +209,8 @@ void ContextContainer::onSend(
     const rpc::HookContext& hookContext,
     const std::vector<at::Tensor>& tensors,
     std::string* metadata) {
-  if (hookContext.kind >= kDiscoverKind && hookContext.kind <= kAbortKind) {
-    return; // a backward pass's own messages belong to no forward
+  if (isBackwardPassKind(hookContext.kind)) {
+    return; // they belong to no forward
   }
   int64_t contextId = -1;
   if (hookContext.isResponse) {
@@ -326,25 +346,25 @@ FuturePtr ContextContainer::releaseAndForward(int64_t id, int64_t except) {
     if (peer == except || peer == selfId_) {
       continue;
     }
-    rpc::OutgoingRequest request;
-    request.kind = kReleaseContextKind;
-    request.body = body;
-    request.what = "autograd.releaseContext";
-    request.timeout = runtime_.options().defaultTimeout;
-    answers.push_back(agent_.send(rpc::WorkerRef(peer), std::move(request)));
+    answers.push_back(agent_.send(
+        rpc::WorkerRef(peer),
+        detail::layerRequest(
+            kReleaseContextKind,
+            body,
+            detail::kReleaseContextWhat,
+            runtime_.options().defaultTimeout)));
   }
-  return allOf(answers);
+  return rpc::allSettled(answers);
 }
 
 FuturePtr ContextContainer::onReleaseContext(rpc::Request&& request) {
-  wire::ReleaseContext message;
-  if (!message.ParseFromString(request.body) || message.context_id() <= 0) {
-    throw rpc::RpcError(
-        rpc::ErrorCode::kMalformedMessage,
-        request.from.name,
-        "autograd.releaseContext",
-        request.id,
-        "malformed release message");
+  constexpr const char* kMalformed = "malformed release message";
+  auto message = detail::parseOrThrow<wire::ReleaseContext>(
+      request,
+      detail::kReleaseContextWhat,
+      kMalformed);
+  if (message.context_id() <= 0) {
+    detail::throwMalformed(request, detail::kReleaseContextWhat, kMalformed);
   }
   // Answered once the peers it reached have released it too (R4).
   return releaseAndForward(message.context_id(), request.from.id);

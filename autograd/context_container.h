@@ -14,16 +14,14 @@
 #include <vector>
 
 #include "torchrpc/autograd/dist_context.h"
-#include "torchrpc/autograd/engine/dist_engine.h"
 #include "torchrpc/rpc/runtime.h"
 #include "torchrpc/rpc/runtime_layer.h"
 
 namespace torchrpc {
 namespace autograd {
 
-// Message kinds of the autograd layer (rpc/ owns [1, 15], rref/ [16, 31];
-// autograd/ takes [32, 47]).
-constexpr uint32_t kReleaseContextKind = 32;
+// The distributed backward engine (private: autograd/engine/dist_engine.h).
+class DistEngine;
 
 // Note [Distributed autograd recording]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -100,7 +98,8 @@ class ContextContainer : public rpc::RuntimeLayer,
   // `timeout`.
   bool waitForReleases(std::chrono::milliseconds timeout);
 
-  // Runs the distributed backward passes of this worker's contexts.
+  // Runs the distributed backward passes of this worker's contexts. The
+  // type is private to the layer; programs use autograd/backward.h.
   DistEngine& engine() const {
     return *engine_;
   }
@@ -121,7 +120,6 @@ class ContextContainer : public rpc::RuntimeLayer,
 
  private:
   friend class Context;
-  friend class DistEngine;
   // Makes (container, id) the guard open on this thread; returns the
   // previous one.
   static std::pair<const ContextContainer*, int64_t> exchangeCurrent(

@@ -1,5 +1,6 @@
 #include "torchrpc/autograd/dist_context.h"
 
+#include "torchrpc/autograd/engine/local_backward.h"
 #include "torchrpc/rpc/errors.h"
 
 namespace torchrpc {

@@ -11,11 +11,16 @@
 #include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
 
-#include "torchrpc/autograd/engine/local_backward.h"
 #include "torchrpc/autograd/send_recv_functions.h"
 
 namespace torchrpc {
 namespace autograd {
+
+namespace detail {
+// One worker's part of a backward pass; private to the engine
+// (autograd/engine/local_backward.h).
+class LocalBackward;
+} // namespace detail
 
 // What one worker records of one distributed autograd context: the send and
 // recv functions of the messages it sent and received in it, the workers it
@@ -41,7 +46,8 @@ class DistContext {
   std::shared_ptr<SendFunction> findSend(int64_t messageId) const;
   std::shared_ptr<RecvFunction> findRecv(int64_t messageId) const;
 
-  // Backward passes (see Note [Distributed backward]).
+  // Backward passes (see Note [Distributed backward]), kept here so that
+  // releasing the context fails them; used by the engine.
   // Adds the pass unless one of its id is there already; returns the one
   // that is (messages of one pass may race to create it).
   std::shared_ptr<detail::LocalBackward> addPass(

@@ -4,9 +4,13 @@
 
 #include <atomic>
 #include <chrono>
+#include <exception>
+#include <memory>
+#include <mutex>
 #include <thread>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "torchrpc/rpc/errors.h"
 #include "torchrpc/rpc/request_scope.h"
@@ -155,6 +159,75 @@ template <>
 inline void Future<void>::wait() const {
   spinUntilCompleted();
   impl_->waitAndThrow();
+}
+
+// ---- Helpers on the untyped future ------------------------------------------
+// For handlers (see rpc/request.h) and the layers above, which speak
+// c10::ivalue::Future directly. libtorch has c10::collectAll (completes with
+// the first error as soon as it comes, else once all succeeded) and
+// c10::collectAny; what it lacks is here.
+
+// A future that has already completed with `value` (None by default).
+inline c10::intrusive_ptr<c10::ivalue::Future> readyFuture(
+    c10::IValue value = c10::IValue()) {
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+  future->markCompleted(std::move(value));
+  return future;
+}
+
+// A future that has already failed with `error`.
+inline c10::intrusive_ptr<c10::ivalue::Future> failedFuture(
+    std::exception_ptr error) {
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+  future->setError(std::move(error));
+  return future;
+}
+
+// Completes `to` as `from` (completed) did: with its value or its error.
+inline void completeFrom(c10::ivalue::Future& from, c10::ivalue::Future& to) {
+  if (from.hasError()) {
+    to.setError(from.exception_ptr());
+  } else {
+    to.markCompleted(from.value());
+  }
+}
+
+// Completes (with None) once every one of `futures` has, successful or not;
+// with the first error among them, if any. Unlike c10::collectAll it never
+// completes early, so what it follows has all settled when it does.
+inline c10::intrusive_ptr<c10::ivalue::Future> allSettled(
+    const std::vector<c10::intrusive_ptr<c10::ivalue::Future>>& futures) {
+  if (futures.empty()) {
+    return readyFuture();
+  }
+  struct State {
+    explicit State(size_t count) : remaining(count) {}
+    std::atomic<size_t> remaining;
+    std::mutex errorMutex; // only taken for a failed future
+    std::exception_ptr firstError;
+    c10::intrusive_ptr<c10::ivalue::Future> all =
+        c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+  };
+  auto state = std::make_shared<State>(futures.size());
+  for (const auto& future : futures) {
+    future->addCallback([state](c10::ivalue::Future& done) {
+      if (done.hasError()) {
+        std::lock_guard<std::mutex> guard(state->errorMutex);
+        if (!state->firstError) {
+          state->firstError = done.exception_ptr();
+        }
+      }
+      // The last one sees every error stored before the others' decrements.
+      if (state->remaining.fetch_sub(1) == 1) {
+        if (state->firstError) {
+          state->all->setError(state->firstError);
+        } else {
+          state->all->markCompleted(c10::IValue());
+        }
+      }
+    });
+  }
+  return state->all;
 }
 
 // A future that has already completed with `value`.

@@ -195,7 +195,7 @@ void RRefContext::settleRecord(
     const std::shared_ptr<OwnerRecord>& record,
     c10::ivalue::Future& result) {
   if (!record->value->completed()) {
-    forward(result, *record->value);
+    completeFrom(result, *record->value);
   }
   std::vector<std::shared_ptr<OwnerRecord>> dropped;
   std::lock_guard<std::mutex> guard(mutex_);

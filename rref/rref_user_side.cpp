@@ -71,7 +71,7 @@ c10::intrusive_ptr<RRefHandle> RRefContext::remote(
       if (auto self = weak.lock()) {
         self->settleRecord(record, done);
       } else if (!record->value->completed()) {
-        forward(done, *record->value);
+        completeFrom(done, *record->value);
       }
     });
     return c10::make_intrusive<RRefHandle>(
@@ -196,7 +196,7 @@ FuturePtr preferCreationError(
         if (creation.hasError()) {
           out->setError(creation.exception_ptr());
         } else {
-          forward(*reply, *out); // the use's own failure
+          completeFrom(*reply, *out); // the use's own failure
         }
       });
   reply->addCallback([fork, out, state](c10::ivalue::Future& done) {
@@ -216,7 +216,7 @@ FuturePtr preferCreationError(
     if (error) {
       out->setError(error);
     } else {
-      forward(done, *out);
+      completeFrom(done, *out);
     }
   });
   return out;
@@ -374,7 +374,7 @@ FuturePtr RRefContext::invokeOnValue(
     }
     auto result = self->runtime_.invokeLocal(function, std::move(all));
     result->addCallback(
-        [out](c10::ivalue::Future& done) { forward(done, *out); });
+        [out](c10::ivalue::Future& done) { completeFrom(done, *out); });
   });
   return out;
 }

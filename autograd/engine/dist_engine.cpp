@@ -3,67 +3,45 @@
 #include <ATen/ATen.h>
 #include <ATen/core/List.h>
 #include <c10/util/Exception.h>
-#include <google/protobuf/message_lite.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <set>
 #include <sstream>
 
-#include "torchrpc/autograd/context_container.h"
-#include "torchrpc/autograd/detail/futures.h"
 #include "proto/autograd/autograd.pb.h"
+#include "torchrpc/autograd/detail/wire.h"
+#include "torchrpc/autograd/messages.h"
+#include "torchrpc/rpc/future.h"
 #include "torchrpc/rref/rref.h"
 
 namespace torchrpc {
 namespace autograd {
 
-using detail::allOf;
-using detail::failedFuture;
-using detail::firstErrorOrAll;
-using detail::FuturePtr;
 using detail::LocalBackward;
-using detail::readyFuture;
+using detail::parseOrThrow;
+using detail::passRef;
+using detail::passRequest;
+using rpc::failedFuture;
+using rpc::readyFuture;
+using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
 
 namespace {
 
-constexpr const char* kWhat = "autograd.backward";
+constexpr const char* kWhat = detail::kBackwardWhat;
 constexpr int kIdShift = 48;
 // How long the driver waits for answers to kAbort after a failure.
 constexpr std::chrono::milliseconds kAbortTimeout{5000};
 
-wire::PassRef passRef(int64_t contextId, int64_t passId) {
-  wire::PassRef ref;
-  ref.set_context_id(contextId);
-  ref.set_pass_id(passId);
-  return ref;
-}
-
-template <typename Message>
-Message parseOrThrow(const rpc::Request& request, const char* what) {
-  Message message;
-  if (!message.ParseFromString(request.body)) {
-    throw rpc::RpcError(
-        rpc::ErrorCode::kMalformedMessage,
-        request.from.name,
-        what,
-        request.id,
-        "malformed distributed backward message");
+// c10::collectAll: completes with the first error as soon as it comes, or,
+// once all succeeded, with the list of `futures` (completed).
+FuturePtr firstErrorOrAll(const std::vector<FuturePtr>& futures) {
+  c10::List<FuturePtr> list(c10::FutureType::create(c10::AnyType::get()));
+  list.reserve(futures.size());
+  for (const auto& future : futures) {
+    list.push_back(future);
   }
-  return message;
-}
-
-// A message of the backward pass, of `kind`, carrying `message`.
-rpc::OutgoingRequest passRequest(
-    uint32_t kind,
-    const google::protobuf::MessageLite& message,
-    std::chrono::milliseconds timeout) {
-  rpc::OutgoingRequest request;
-  request.kind = kind;
-  request.body = message.SerializeAsString();
-  request.what = kWhat;
-  request.timeout = timeout;
-  return request;
+  return c10::collectAll(std::move(list));
 }
 
 std::string describePass(int64_t contextId, int64_t passId) {
@@ -93,12 +71,10 @@ bool discoveryEndsHere(
 
 } // namespace
 
-DistEngine::DistEngine(
-    rpc::Runtime& runtime,
-    std::weak_ptr<ContextContainer> container)
+DistEngine::DistEngine(rpc::Runtime& runtime, ContextTable contexts)
     : runtime_(runtime),
       agent_(runtime.agent()),
-      container_(std::move(container)),
+      contexts_(std::move(contexts)),
       selfId_(runtime.self().id) {}
 
 void DistEngine::registerWithAgent() {
@@ -155,8 +131,7 @@ std::chrono::milliseconds DistEngine::deadlineOf(
 
 std::shared_ptr<DistContext> DistEngine::contextOrThrow(
     int64_t contextId) const {
-  auto container = container_.lock();
-  auto context = container ? container->find(contextId) : nullptr;
+  auto context = contexts_.find(contextId);
   if (!context) {
     throw rpc::RpcError(
         rpc::ErrorCode::kBadArguments,
@@ -169,7 +144,7 @@ std::shared_ptr<DistContext> DistEngine::contextOrThrow(
   return context;
 }
 
-std::shared_ptr<LocalBackward> DistEngine::createPass(
+std::shared_ptr<LocalBackward> DistEngine::findOrCreatePass(
     const std::shared_ptr<DistContext>& context,
     int64_t passId,
     bool retainGraph,
@@ -209,32 +184,14 @@ std::shared_ptr<LocalBackward> DistEngine::createPass(
   return context->addPass(pass);
 }
 
-std::shared_ptr<LocalBackward> DistEngine::passOf(
-    const std::shared_ptr<DistContext>& context,
-    int64_t passId,
-    bool skippedDiscovery,
-    bool retainGraph) {
-  return skippedDiscovery
-      ? createPass(context, passId, retainGraph, /*holdsDeliveries=*/true)
-      : context->findPass(passId);
-}
-
 // ---- D1, D2, E1, E4 on the driver -------------------------------------------
 
-FuturePtr DistEngine::backward(
-    int64_t contextId,
+namespace {
+
+// D1: each root's gradient edge and gradient. Throws c10::Error for misuse.
+std::pair<torch::autograd::edge_list, torch::autograd::variable_list> takeRoots(
     const std::vector<at::Tensor>& roots,
-    const std::vector<at::Tensor>& grads,
-    const BackwardOptions& options) {
-  auto container = container_.lock();
-  auto context = container ? container->find(contextId) : nullptr;
-  TORCH_CHECK(
-      context,
-      "no distributed autograd context ",
-      contextId,
-      " on worker '",
-      runtime_.self().name,
-      "' (released, or never joined)");
+    const std::vector<at::Tensor>& grads) {
   TORCH_CHECK(!roots.empty(), "distributed backward needs at least one root");
   TORCH_CHECK(
       grads.empty() || grads.size() == roots.size(),
@@ -243,7 +200,6 @@ FuturePtr DistEngine::backward(
       " roots and ",
       grads.size(),
       " gradients");
-  // D1.
   torch::autograd::edge_list edges;
   torch::autograd::variable_list rootGrads;
   for (size_t i = 0; i < roots.size(); ++i) {
@@ -279,107 +235,164 @@ FuturePtr DistEngine::backward(
     edges.push_back(torch::autograd::impl::gradient_edge(root));
     rootGrads.push_back(std::move(grad));
   }
-  auto deadline = deadlineOf(options);
-  auto startedAt = std::chrono::steady_clock::now();
-  int64_t passId = (selfId_ << kIdShift) | nextPassId_.fetch_add(1);
-  auto pass = createPass(
+  return {std::move(edges), std::move(rootGrads)};
+}
+
+} // namespace
+
+struct DistEngine::DrivenPass {
+  std::weak_ptr<DistEngine> engine;
+  std::weak_ptr<DistContext> context;
+  int64_t contextId = 0;
+  int64_t passId = 0;
+  std::chrono::milliseconds deadline{0};
+  std::chrono::steady_clock::time_point startedAt;
+  // Completes when the pass has ended here and everywhere.
+  FuturePtr result =
+      c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get());
+  // The other workers the pass reached (set once discovery answered).
+  std::vector<int64_t> workers;
+
+  // What is left of the deadline (at least 1 ms).
+  std::chrono::milliseconds remaining() const {
+    auto left = deadline -
+        std::chrono::duration_cast<std::chrono::milliseconds>(
+                    std::chrono::steady_clock::now() - startedAt);
+    return std::max(left, std::chrono::milliseconds(1));
+  }
+
+  // E4: the first error ends the pass everywhere.
+  void fail(std::exception_ptr error) const {
+    auto self = engine.lock();
+    if (!self) {
+      result->setError(error);
+      return;
+    }
+    auto ended = result;
+    self->abortPass(contextId, passId, workers, error, deadline)
+        ->addCallback([ended](c10::ivalue::Future& aborted) {
+          ended->setError(aborted.exception_ptr());
+        });
+  }
+
+  // When every part of the pass is done (E4), or one failed.
+  void finish(c10::ivalue::Future& all) const {
+    if (all.hasError()) {
+      fail(all.exception_ptr());
+      return;
+    }
+    if (auto live = context.lock()) {
+      live->removePass(passId);
+    }
+    result->markCompleted(c10::IValue());
+  }
+};
+
+FuturePtr DistEngine::backward(
+    int64_t contextId,
+    const std::vector<at::Tensor>& roots,
+    const std::vector<at::Tensor>& grads,
+    const BackwardOptions& options) {
+  auto context = contexts_.find(contextId);
+  TORCH_CHECK(
       context,
-      passId,
+      "no distributed autograd context ",
+      contextId,
+      " on worker '",
+      runtime_.self().name,
+      "' (released, or never joined)");
+  auto [edges, rootGrads] = takeRoots(roots, grads);
+  auto driven = std::make_shared<DrivenPass>();
+  driven->engine = weak_from_this();
+  driven->context = context;
+  driven->contextId = contextId;
+  driven->passId = (selfId_ << kIdShift) | nextPassId_.fetch_add(1);
+  driven->deadline = deadlineOf(options);
+  driven->startedAt = std::chrono::steady_clock::now();
+  auto pass = findOrCreatePass(
+      context,
+      driven->passId,
       options.retainGraph,
       /*holdsDeliveries=*/false);
   LocalBackward::NewlyReached reached;
   try {
     reached = pass->addRoots(edges, std::move(rootGrads));
   } catch (...) {
-    context->removePass(passId);
+    context->removePass(driven->passId);
     throw;
   }
+  discoverThenRun(driven, pass, context, reached);
+  return driven->result;
+}
 
-  auto result = c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get());
-  auto workers = std::make_shared<std::vector<int64_t>>();
-  std::weak_ptr<DistEngine> weak = weak_from_this();
-  auto remaining = [startedAt, deadline]() {
-    auto left = deadline -
-        std::chrono::duration_cast<std::chrono::milliseconds>(
-                    std::chrono::steady_clock::now() - startedAt);
-    return std::max(left, std::chrono::milliseconds(1));
-  };
-  // E4: the first error ends the pass everywhere.
-  auto fail = [weak, result, contextId, passId, workers, deadline](
-                  std::exception_ptr error) {
-    auto self = weak.lock();
-    if (!self) {
-      result->setError(error);
-      return;
-    }
-    self->abortPass(contextId, passId, workers, error, deadline)
-        ->addCallback([result](c10::ivalue::Future& aborted) {
-          result->setError(aborted.exception_ptr());
-        });
-  };
-  std::weak_ptr<DistContext> weakContext = context;
-  auto finish = [weakContext, result, passId, fail](c10::ivalue::Future& all) {
-    if (all.hasError()) {
-      fail(all.exception_ptr());
-      return;
-    }
-    if (auto context = weakContext.lock()) {
-      context->removePass(passId);
-    }
-    result->markCompleted(c10::IValue());
-  };
-
+void DistEngine::discoverThenRun(
+    const std::shared_ptr<DrivenPass>& driven,
+    const std::shared_ptr<LocalBackward>& pass,
+    const std::shared_ptr<DistContext>& context,
+    const LocalBackward::NewlyReached& reached) {
+  auto finish = [driven](c10::ivalue::Future& all) { driven->finish(all); };
   if (discoveryEndsHere(*context, reached, selfId_)) {
     // D2'.
     pass->setSkippedDiscovery();
     for (const auto& entry : reached) {
-      workers->push_back(entry.first);
+      driven->workers.push_back(entry.first);
     }
     try {
-      startReached(contextId, pass, *workers, &reached, remaining())
+      runPass(
+          driven->contextId,
+          pass,
+          driven->workers,
+          &reached,
+          driven->remaining())
           ->addCallback(finish);
     } catch (...) {
-      fail(std::current_exception());
+      driven->fail(std::current_exception());
     }
-    return result;
+    return;
   }
   FuturePtr found;
   try {
-    found =
-        discover(contextId, passId, options.retainGraph, reached, remaining());
+    found = discover(
+        driven->contextId,
+        driven->passId,
+        pass->retainGraph(),
+        reached,
+        driven->remaining());
   } catch (...) {
-    fail(std::current_exception());
-    return result;
+    driven->fail(std::current_exception());
+    return;
   }
-  found->addCallback(
-      [weak, pass, workers, contextId, passId, remaining, fail, finish](
-          c10::ivalue::Future& discovered) {
-        auto self = weak.lock();
-        if (discovered.hasError() || !self) {
-          fail(
-              discovered.hasError() ? discovered.exception_ptr()
-                                    : rpc::makeRpcError(
-                                          rpc::ErrorCode::kShuttingDown,
-                                          "",
-                                          kWhat,
-                                          0,
-                                          "the runtime is gone"));
-          return;
-        }
-        std::set<int64_t> reachedWorkers;
-        for (const auto& id : discovered.value().toIntList()) {
-          if (id != self->selfId_) {
-            reachedWorkers.insert(id);
-          }
-        }
-        workers->assign(reachedWorkers.begin(), reachedWorkers.end());
-        self->startReached(contextId, pass, *workers, nullptr, remaining())
-            ->addCallback(finish);
-      });
-  return result;
+  found->addCallback([driven, pass, finish](c10::ivalue::Future& discovered) {
+    auto self = driven->engine.lock();
+    if (discovered.hasError() || !self) {
+      driven->fail(
+          discovered.hasError() ? discovered.exception_ptr()
+                                : rpc::makeRpcError(
+                                      rpc::ErrorCode::kShuttingDown,
+                                      "",
+                                      kWhat,
+                                      0,
+                                      "the runtime is gone"));
+      return;
+    }
+    std::set<int64_t> reachedWorkers;
+    for (const auto& id : discovered.value().toIntList()) {
+      if (id != self->selfId_) {
+        reachedWorkers.insert(id);
+      }
+    }
+    driven->workers.assign(reachedWorkers.begin(), reachedWorkers.end());
+    self->runPass(
+            driven->contextId,
+            pass,
+            driven->workers,
+            nullptr,
+            driven->remaining())
+        ->addCallback(finish);
+  });
 }
 
-FuturePtr DistEngine::startReached(
+FuturePtr DistEngine::runPass(
     int64_t contextId,
     const std::shared_ptr<LocalBackward>& pass,
     const std::vector<int64_t>& workers,
@@ -452,7 +465,7 @@ FuturePtr DistEngine::discover(
         }
         std::set<int64_t> workers{selfId};
         for (const c10::IValue& answer : all.value().toListRef()) {
-          for (int64_t id : answer.toIntList()) {
+          for (int64_t id : answer.toFuture()->value().toIntList()) {
             workers.insert(id);
           }
         }
@@ -505,44 +518,90 @@ void DistEngine::sendGradients(
       });
 }
 
+namespace {
+
+// The sends a failed pass still waited for, gathered from every worker for
+// the timeout error (G3). Thread-safe.
+class WaitingSends {
+ public:
+  explicit WaitingSends(std::vector<std::string> names)
+      : names_(std::move(names)) {}
+
+  // Send #messageId on worker `at` never got its gradient from `from`.
+  void add(int64_t at, int64_t messageId, int64_t from) {
+    std::string line = "send #" + std::to_string(messageId) + " (" + name(at) +
+        " -> " + name(from) + ") on " + name(at) +
+        " never got its gradient from " + name(from);
+    std::lock_guard<std::mutex> guard(mutex_);
+    lines_.push_back(std::move(line));
+  }
+
+  // What the pass fails with: `error`, or for a timeout one that names
+  // every send still waiting.
+  std::exception_ptr finalError(
+      std::exception_ptr error,
+      const std::string& pass,
+      std::chrono::milliseconds deadline) {
+    try {
+      std::rethrow_exception(error);
+    } catch (const rpc::RpcError& e) {
+      if (e.code() != rpc::ErrorCode::kTimeout) {
+        return error;
+      }
+      std::lock_guard<std::mutex> guard(mutex_);
+      std::ostringstream text;
+      text << "distributed backward (" << pass << ") did not finish within "
+           << deadline.count() << " ms";
+      if (lines_.empty()) {
+        text << "; " << e.what();
+      }
+      for (const auto& line : lines_) {
+        text << "; " << line;
+      }
+      return rpc::makeRpcError(
+          rpc::ErrorCode::kTimeout,
+          e.worker(),
+          kWhat,
+          0,
+          text.str());
+    } catch (...) {
+      return error;
+    }
+  }
+
+ private:
+  std::string name(int64_t id) const {
+    return id >= 0 && id < static_cast<int64_t>(names_.size())
+        ? names_[id]
+        : "worker id " + std::to_string(id);
+  }
+
+  const std::vector<std::string> names_;
+  std::mutex mutex_;
+  std::vector<std::string> lines_;
+};
+
+} // namespace
+
 FuturePtr DistEngine::abortPass(
     int64_t contextId,
     int64_t passId,
-    std::shared_ptr<std::vector<int64_t>> workers,
+    const std::vector<int64_t>& workers,
     std::exception_ptr error,
     std::chrono::milliseconds deadline) {
-  // Everything still waiting: (worker waiting, message id, worker that
-  // owed the gradients).
-  struct Waiting {
-    std::mutex mutex;
-    std::vector<std::string> lines;
-  };
-  auto waiting = std::make_shared<Waiting>();
-  auto names = std::make_shared<std::vector<std::string>>();
+  std::vector<std::string> names;
   for (const auto& worker : agent_.workers()) {
-    names->push_back(worker.name);
+    names.push_back(worker.name);
   }
-  auto describeWaiting = [names](int64_t at, int64_t messageId, int64_t from) {
-    auto name = [&names](int64_t id) {
-      return id >= 0 && id < static_cast<int64_t>(names->size())
-          ? (*names)[id]
-          : "worker id " + std::to_string(id);
-    };
-    return "send #" + std::to_string(messageId) + " (" + name(at) + " -> " +
-        name(from) + ") on " + name(at) + " never got its gradient from " +
-        name(from);
-  };
+  auto waiting = std::make_shared<WaitingSends>(std::move(names));
   std::string reason = rpc::describeException(error);
-  if (auto container = container_.lock()) {
-    if (auto context = container->find(contextId)) {
-      if (auto pass = context->findPass(passId)) {
-        for (const auto& entry : pass->waitingSends()) {
-          waiting->lines.push_back(
-              describeWaiting(selfId_, entry.first, entry.second));
-        }
-        pass->fail(error);
-        context->removePass(passId);
+  if (auto context = contexts_.find(contextId)) {
+    if (auto pass = context->findPass(passId)) {
+      for (const auto& entry : pass->waitingSends()) {
+        waiting->add(selfId_, entry.first, entry.second);
       }
+      pass->fail(error);
+      context->removePass(passId);
     }
   }
   std::vector<FuturePtr> answers;
@@ -550,69 +609,36 @@ FuturePtr DistEngine::abortPass(
   *message.mutable_pass() = passRef(contextId, passId);
   message.set_reason(reason);
   auto timeout = std::min(kAbortTimeout, runtime_.options().defaultTimeout);
-  for (int64_t worker : *workers) {
+  for (int64_t worker : workers) {
     auto answer = agent_.send(
         rpc::WorkerRef(worker),
         passRequest(kAbortKind, message, timeout));
-    answer->addCallback(
-        [waiting, worker, describeWaiting](c10::ivalue::Future& done) {
-          if (done.hasError()) {
-            return;
-          }
-          auto pairs = done.value().toIntList();
-          std::lock_guard<std::mutex> guard(waiting->mutex);
-          for (size_t i = 0; i + 1 < pairs.size(); i += 2) {
-            waiting->lines.push_back(
-                describeWaiting(worker, pairs.get(i), pairs.get(i + 1)));
-          }
-        });
+    // Each answers with the sends it still waited for.
+    answer->addCallback([waiting, worker](c10::ivalue::Future& done) {
+      if (done.hasError()) {
+        return;
+      }
+      auto pairs = done.value().toIntList();
+      for (size_t i = 0; i + 1 < pairs.size(); i += 2) {
+        waiting->add(worker, pairs.get(i), pairs.get(i + 1));
+      }
+    });
     answers.push_back(answer);
   }
   auto result = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
-  std::weak_ptr<ContextContainer> container = container_;
-  std::string selfName = runtime_.self().name;
+  auto release = contexts_.release;
   // Whatever the answers, the pass ends here.
-  allOf(answers)->addCallback([result,
-                               waiting,
-                               error,
-                               container,
-                               contextId,
-                               passId,
-                               deadline,
-                               selfName](c10::ivalue::Future&) {
-    std::exception_ptr final = error;
-    try {
-      std::rethrow_exception(error);
-    } catch (const rpc::RpcError& e) {
-      if (e.code() == rpc::ErrorCode::kTimeout) {
-        std::lock_guard<std::mutex> guard(waiting->mutex);
-        std::ostringstream text;
-        text << "distributed backward (" << describePass(contextId, passId)
-             << ") did not finish within " << deadline.count() << " ms";
-        if (waiting->lines.empty()) {
-          text << "; " << e.what();
-        }
-        for (const auto& line : waiting->lines) {
-          text << "; " << line;
-        }
-        final = rpc::makeRpcError(
-            rpc::ErrorCode::kTimeout,
-            e.worker(),
-            kWhat,
-            0,
-            text.str());
-      }
-    } catch (...) {
-    }
-    auto self = container.lock();
-    if (!self) {
-      result->setError(final);
-      return;
-    }
-    // E4: a failed pass releases its context everywhere.
-    self->releaseAsync(contextId)->addCallback(
-        [result, final](c10::ivalue::Future&) { result->setError(final); });
-  });
+  rpc::allSettled(answers)->addCallback(
+      [result, waiting, error, release, contextId, passId, deadline](
+          c10::ivalue::Future&) {
+        auto final = waiting->finalError(
+            error,
+            describePass(contextId, passId),
+            deadline);
+        // E4: a failed pass releases its context everywhere.
+        release(contextId)->addCallback(
+            [result, final](c10::ivalue::Future&) { result->setError(final); });
+      });
   return result;
 }
 
@@ -645,7 +671,7 @@ FuturePtr DistEngine::onDiscover(rpc::Request&& request) {
   int64_t contextId = message.pass().context_id();
   int64_t passId = message.pass().pass_id();
   auto context = contextOrThrow(contextId);
-  auto pass = createPass(
+  auto pass = findOrCreatePass(
       context,
       passId,
       message.retain_graph(),
@@ -664,11 +690,14 @@ FuturePtr DistEngine::onGradients(rpc::Request&& request) {
   int64_t contextId = message.pass().context_id();
   int64_t passId = message.pass().pass_id();
   auto context = contextOrThrow(contextId);
-  auto pass = passOf(
-      context,
-      passId,
-      message.marks_come_with_await(),
-      message.retain_graph());
+  // D2': gradients may come before the kAwait that names what to wait for,
+  // so they create the pass (held until that kAwait).
+  auto pass = message.marks_come_with_await() ? findOrCreatePass(
+                                                    context,
+                                                    passId,
+                                                    message.retain_graph(),
+                                                    /*holdsDeliveries=*/true)
+                                              : context->findPass(passId);
   if (!pass) {
     throw rpc::RpcError(
         rpc::ErrorCode::kBadArguments,
@@ -706,8 +735,13 @@ FuturePtr DistEngine::onAwait(rpc::Request&& request) {
   int64_t contextId = message.pass().context_id();
   int64_t passId = message.pass().pass_id();
   auto context = contextOrThrow(contextId);
-  auto pass =
-      passOf(context, passId, message.carries_marks(), message.retain_graph());
+  // D2': the kAwait may come after gradients, which created the pass.
+  auto pass = message.carries_marks() ? findOrCreatePass(
+                                            context,
+                                            passId,
+                                            message.retain_graph(),
+                                            /*holdsDeliveries=*/true)
+                                      : context->findPass(passId);
   auto refuse = [&](const std::string& why) {
     auto error = rpc::makeRpcError(
         rpc::ErrorCode::kBadArguments,
@@ -765,9 +799,7 @@ FuturePtr DistEngine::onAwait(rpc::Request&& request) {
 FuturePtr DistEngine::onAbort(rpc::Request&& request) {
   auto message = parseOrThrow<wire::Abort>(request, "autograd.abort");
   std::vector<int64_t> pairs;
-  auto container = container_.lock();
-  auto context =
-      container ? container->find(message.pass().context_id()) : nullptr;
+  auto context = contexts_.find(message.pass().context_id());
   auto pass = context ? context->findPass(message.pass().pass_id()) : nullptr;
   if (pass) {
     for (const auto& entry : pass->waitingSends()) {
@@ -796,10 +828,8 @@ FuturePtr DistEngine::onBackwardOnOwner(rpc::Request&& request) {
         request.id,
         "backward on an RRef's owner takes one RRef");
   }
-  auto container = container_.lock();
-  TORCH_CHECK(container, "the distributed autograd layer is gone");
   // The owner may not have joined the context yet (its loss may be local).
-  container->join(message.context_id());
+  contexts_.join(message.context_id());
   BackwardOptions options;
   options.retainGraph = message.retain_graph();
   options.deadline =

@@ -6,35 +6,18 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "torchrpc/autograd/backward.h"
 #include "torchrpc/autograd/dist_context.h"
 #include "torchrpc/autograd/engine/local_backward.h"
 #include "torchrpc/rpc/runtime.h"
 
 namespace torchrpc {
 namespace autograd {
-
-class ContextContainer;
-
-// Message kinds of the backward pass (see kReleaseContextKind).
-constexpr uint32_t kDiscoverKind = 33;
-constexpr uint32_t kGradientsKind = 34;
-constexpr uint32_t kAwaitKind = 35;
-constexpr uint32_t kAbortKind = 36;
-constexpr uint32_t kBackwardOnOwnerKind = 37;
-
-// Options of one distributed backward pass.
-struct BackwardOptions {
-  // Keep the graph's saved tensors so that the context can run backward
-  // again (the gradients of both passes add up in the context).
-  bool retainGraph = false;
-  // The whole pass must finish within this; zero means the runtime's
-  // Options::defaultTimeout.
-  std::chrono::milliseconds deadline{0};
-};
 
 // Note [Distributed backward]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -116,9 +99,22 @@ struct BackwardOptions {
 // graph) is not supported. A pass holds the nodes it reaches until it ends.
 class DistEngine : public std::enable_shared_from_this<DistEngine> {
  public:
-  DistEngine(rpc::Runtime& runtime, std::weak_ptr<ContextContainer> container);
+  // What the engine needs of its worker's contexts (the ContextContainer,
+  // which owns the engine). Each may be called on any thread.
+  struct ContextTable {
+    // The context of that id here, or nullptr.
+    std::function<std::shared_ptr<DistContext>(int64_t id)> find;
+    // The context, created if new; throws for a released one.
+    std::function<std::shared_ptr<DistContext>(int64_t id)> join;
+    // Releases the context here and on every worker it reached (E4); the
+    // future completes when they answered.
+    std::function<c10::intrusive_ptr<c10::ivalue::Future>(int64_t id)> release;
+  };
 
-  // Registers the message kinds above (before start()).
+  DistEngine(rpc::Runtime& runtime, ContextTable contexts);
+
+  // Registers the message kinds of the pass (autograd/messages.h) before
+  // start().
   void registerWithAgent();
 
   // Runs a pass in context `contextId` from `roots` (with `grads`, or an
@@ -138,29 +134,31 @@ class DistEngine : public std::enable_shared_from_this<DistEngine> {
       const BackwardOptions& options);
 
  private:
+  // The driver's state of one pass after D1, and its E4 continuations.
+  struct DrivenPass;
+
   std::chrono::milliseconds deadlineOf(const BackwardOptions& options) const;
   std::shared_ptr<DistContext> contextOrThrow(int64_t contextId) const;
-  // The pass of that id in `context`, created if new; holdsDeliveries (on
-  // a worker reached without discovery, D2') makes a new one wait for the
-  // kAwait that names its sends.
-  std::shared_ptr<detail::LocalBackward> createPass(
+  // The pass of that id in `context`, created if new (messages of one pass
+  // may race to create it); holdsDeliveries (on a worker reached without
+  // discovery, D2') makes a new one wait for the kAwait that names its
+  // sends.
+  std::shared_ptr<detail::LocalBackward> findOrCreatePass(
       const std::shared_ptr<DistContext>& context,
       int64_t passId,
       bool retainGraph,
       bool holdsDeliveries);
-  // The pass a message of a worker's part names: when that pass skipped
-  // discovery (D2'), the message may come before the kAwait that names
-  // what to wait for, so it creates the pass; otherwise nullptr if there
-  // is none.
-  std::shared_ptr<detail::LocalBackward> passOf(
+  // D2 (or D2' when discovery ends here), then E1, for a pass whose roots
+  // reached `reached`.
+  void discoverThenRun(
+      const std::shared_ptr<DrivenPass>& driven,
+      const std::shared_ptr<detail::LocalBackward>& pass,
       const std::shared_ptr<DistContext>& context,
-      int64_t passId,
-      bool skippedDiscovery,
-      bool retainGraph);
+      const detail::LocalBackward::NewlyReached& reached);
   // E1: kAwait to each of `workers` (naming the sends to mark there when
   // discovery was skipped: `marks`), then the roots' gradients; the future
   // completes with the first error or when every part is done.
-  c10::intrusive_ptr<c10::ivalue::Future> startReached(
+  c10::intrusive_ptr<c10::ivalue::Future> runPass(
       int64_t contextId,
       const std::shared_ptr<detail::LocalBackward>& pass,
       const std::vector<int64_t>& workers,
@@ -183,7 +181,7 @@ class DistEngine : public std::enable_shared_from_this<DistEngine> {
   c10::intrusive_ptr<c10::ivalue::Future> abortPass(
       int64_t contextId,
       int64_t passId,
-      std::shared_ptr<std::vector<int64_t>> workers,
+      const std::vector<int64_t>& workers,
       std::exception_ptr error,
       std::chrono::milliseconds deadline);
 
@@ -198,7 +196,7 @@ class DistEngine : public std::enable_shared_from_this<DistEngine> {
 
   rpc::Runtime& runtime_;
   rpc::Agent& agent_;
-  const std::weak_ptr<ContextContainer> container_;
+  const ContextTable contexts_;
   const int64_t selfId_;
   std::atomic<int64_t> nextPassId_{1};
 };

@@ -26,8 +26,8 @@ namespace detail {
 // pass reaches, how many gradients each still waits for, and running them.
 // Knows nothing of messages: DistEngine feeds it what peers send and sends
 // what it produces. See Note [Distributed backward] in
-// autograd/engine/dist_engine.h; this class implements its steps D2 and E1-E4 on
-// one worker.
+// autograd/engine/dist_engine.h; this class implements its steps D2 and E1-E4
+// on one worker.
 //
 // Thread-safe. Nodes run on the thread that made them ready, one at a time
 // per pass (a thread that finds another one running the pass leaves its

@@ -2,18 +2,13 @@
 
 #include "torchrpc/rpc/detail/builtin_operators.h"
 #include "torchrpc/rpc/errors.h"
+#include "torchrpc/rpc/future.h"
 
 namespace torchrpc {
 namespace rpc {
 namespace detail {
 
 namespace {
-
-c10::intrusive_ptr<c10::ivalue::Future> failedFuture(std::exception_ptr e) {
-  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
-  future->setError(std::move(e));
-  return future;
-}
 
 // The function's own failures are remote exceptions, whatever their type: a
 // nested call that timed out inside the function does not mean this call
@@ -56,11 +51,7 @@ c10::intrusive_ptr<c10::ivalue::Future> invokeFunction(
   }
   if (allowBuiltinOperators && isOperatorName(name)) {
     try {
-      auto value = invokeBuiltinOperator(name, std::move(args));
-      auto future =
-          c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
-      future->markCompleted(std::move(value));
-      return future;
+      return readyFuture(invokeBuiltinOperator(name, std::move(args)));
     } catch (const RpcError&) {
       throw;
     } catch (...) {

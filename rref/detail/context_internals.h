@@ -11,6 +11,7 @@
 #include "proto/rref/rref.pb.h"
 #include "torchrpc/rpc/agent.h"
 #include "torchrpc/rpc/errors.h"
+#include "torchrpc/rpc/future.h"
 #include "torchrpc/rref/detail/records.h"
 #include "torchrpc/rref/rref_context.h"
 #include "torchrpc/rref/rref_handle.h"
@@ -37,26 +38,6 @@ inline FuturePtr newFuture() {
   return c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
 }
 
-inline FuturePtr readyFuture(c10::IValue value = c10::IValue()) {
-  auto future = newFuture();
-  future->markCompleted(std::move(value));
-  return future;
-}
-
-inline FuturePtr failedFuture(std::exception_ptr error) {
-  auto future = newFuture();
-  future->setError(std::move(error));
-  return future;
-}
-
-inline void forward(c10::ivalue::Future& from, c10::ivalue::Future& to) {
-  if (from.hasError()) {
-    to.setError(from.exception_ptr());
-  } else {
-    to.markCompleted(from.value());
-  }
-}
-
 inline std::string describe(const GlobalId& id) {
   return "RRef " + id.toString();
 }
@@ -74,17 +55,17 @@ inline std::exception_ptr creationError(const UserFork& fork) {
 // What the files implementing RRefContext use unqualified.
 using detail::creationError;
 using detail::describe;
-using detail::failedFuture;
-using detail::forward;
 using detail::FuturePtr;
 using detail::newFuture;
 using detail::OwnerRecord;
-using detail::readyFuture;
 using detail::RRefHandle;
 using detail::serialize;
 using detail::toWire;
 using detail::UserFork;
+using rpc::completeFrom;
 using rpc::ErrorCode;
+using rpc::failedFuture;
+using rpc::readyFuture;
 using rpc::RpcError;
 
 // Reads ids a peer sent: each must name a worker of the job.

@@ -16,6 +16,7 @@
 #include "torchrpc/autograd/backward.h"
 #include "torchrpc/autograd/context.h"
 #include "torchrpc/autograd/context_container.h"
+#include "torchrpc/autograd/messages.h"
 #include "proto/autograd/autograd.pb.h"
 #include "torchrpc/rref/rref.h"
 #include "torchrpc/rref/rref_context.h"
@@ -437,6 +438,27 @@ TEST_P(DistributedBackward, BackwardStartedThroughAnRRefOnItsOwner) {
     expectGradient(
         net(1).gradients(context.id(), {"w"}).at(0),
         x.detach() * w0,
+        0,
+        "worker1's w");
+  }
+  cluster_->expectNothingLeft();
+}
+
+// kBackwardOnOwner carries its context (autograd::isBackwardPassKind says
+// why): here it is the only message of the context that reaches the owner,
+// which must still hear of the release.
+TEST_P(
+    DistributedBackward,
+    AnOwnerReachedOnlyThroughBackwardOnOwnerIsReleased) {
+  auto x = zoo::input();
+  {
+    // Made outside the context: its forward is not part of it.
+    auto loss = rref::remote<at::Tensor>(rt(0), "worker1", "loss_scalar", x);
+    autograd::Context context(rt(0));
+    context.backwardOnOwner(loss);
+    expectGradient(
+        net(1).gradients(context.id(), {"w"}).at(0),
+        x,
         0,
         "worker1's w");
   }

@@ -13,6 +13,7 @@
 
 #include "torchrpc/autograd/context.h"
 #include "torchrpc/autograd/context_container.h"
+#include "torchrpc/autograd/messages.h"
 #include "torchrpc/autograd/send_recv_functions.h"
 #include "torchrpc/rref/rref.h"
 #include "torchrpc/rref/rref_context.h"
