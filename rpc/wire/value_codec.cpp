@@ -324,56 +324,49 @@ c10::Device decodeDevice(int32_t type, int32_t index, const char* what) {
   return c10::Device(deviceType, static_cast<c10::DeviceIndex>(index));
 }
 
-// Rebuilds descriptor i over the bytes the transport delivered, without a
-// copy. See Note [Wire format], guarantee 3.
-at::Tensor rebuildTensor(
-    size_t i,
-    const wire::TensorDesc& desc,
+// Views the bytes the transport delivered as a contiguous tensor of `dtype`
+// and `sizes`, without a copy. See Note [Wire format], guarantee 3.
+at::Tensor viewWireBytes(
+    const std::string& what,
+    c10::ScalarType dtype,
+    c10::IntArrayRef sizes,
     const at::Tensor& wire) {
   if (!wire.defined() || wire.scalar_type() != at::kByte || wire.dim() != 1 ||
       !wire.device().is_cpu() || wire.layout() != at::kStrided ||
       wire.storage_offset() != 0 || !wire.is_contiguous()) {
     throwMalformed(concat(
-        "tensor ",
-        i,
+        what,
         ": the transport delivered ",
         wire.defined() ? wire.toString() : std::string("undefined"),
         ", expected a contiguous 1-D CPU byte tensor at offset 0"));
   }
-  if (desc.dtype() >= static_cast<uint32_t>(c10::ScalarType::NumOptions) ||
-      !isWireDtype(static_cast<c10::ScalarType>(desc.dtype()))) {
-    throwMalformed(
-        concat("tensor ", i, ": dtype ", desc.dtype(), " not allowed"));
-  }
-  auto dtype = static_cast<c10::ScalarType>(desc.dtype());
   const int64_t itemSize = static_cast<int64_t>(c10::elementSize(dtype));
 
   // Contiguous strides; every size counts as at least 1 so that a tensor
   // with a zero dimension still has strides that cannot overflow.
-  const int dims = desc.sizes_size();
+  const int dims = static_cast<int>(sizes.size());
   std::vector<int64_t> strides(dims);
   int64_t extent = 1;
   int64_t numel = 1;
   for (int d = dims - 1; d >= 0; --d) {
-    int64_t size = desc.sizes(d);
+    int64_t size = sizes[d];
     if (size < 0) {
-      throwMalformed(concat("tensor ", i, ": negative size ", size));
+      throwMalformed(concat(what, ": negative size ", size));
     }
     strides[d] = extent;
     if (__builtin_mul_overflow(extent, std::max<int64_t>(size, 1), &extent)) {
-      throwMalformed(concat("tensor ", i, ": sizes overflow"));
+      throwMalformed(concat(what, ": sizes overflow"));
     }
     numel *= size; // Cannot overflow: numel <= extent.
   }
   int64_t extentBytes = 0;
   if (__builtin_mul_overflow(extent, itemSize, &extentBytes)) {
-    throwMalformed(concat("tensor ", i, ": sizes overflow"));
+    throwMalformed(concat(what, ": sizes overflow"));
   }
   const int64_t nbytes = numel * itemSize;
   if (nbytes != wire.numel()) {
     throwMalformed(concat(
-        "tensor ",
-        i,
+        what,
         ": descriptor needs ",
         nbytes,
         " bytes but ",
@@ -382,11 +375,44 @@ at::Tensor rebuildTensor(
   }
 
   at::Tensor tensor = at::empty({0}, at::TensorOptions().dtype(dtype));
-  tensor.set_(
-      wire.storage(),
-      /*storage_offset=*/0,
-      c10::IntArrayRef(desc.sizes().data(), dims),
-      strides);
+  tensor.set_(wire.storage(), /*storage_offset=*/0, sizes, strides);
+  return tensor;
+}
+
+c10::ScalarType wireDtype(size_t i, const wire::TensorDesc& desc) {
+  if (desc.dtype() >= static_cast<uint32_t>(c10::ScalarType::NumOptions) ||
+      !isWireDtype(static_cast<c10::ScalarType>(desc.dtype()))) {
+    throwMalformed(
+        concat("tensor ", i, ": dtype ", desc.dtype(), " not allowed"));
+  }
+  return static_cast<c10::ScalarType>(desc.dtype());
+}
+
+void setRequiresGrad(size_t i, const wire::TensorDesc& desc, at::Tensor& t) {
+  if (!desc.requires_grad()) {
+    return;
+  }
+  const auto dtype = static_cast<c10::ScalarType>(desc.dtype());
+  if (!c10::isFloatingType(dtype) && !c10::isComplexType(dtype)) {
+    throwMalformed(concat(
+        "tensor ",
+        i,
+        ": requires_grad set on dtype ",
+        c10::toString(dtype)));
+  }
+  // Last, so that the received tensor is a leaf.
+  t.set_requires_grad(true);
+}
+
+at::Tensor rebuildStrided(
+    size_t i,
+    const wire::TensorDesc& desc,
+    const at::Tensor& wire) {
+  at::Tensor tensor = viewWireBytes(
+      concat("tensor ", i),
+      wireDtype(i, desc),
+      c10::IntArrayRef(desc.sizes().data(), desc.sizes_size()),
+      wire);
 
   if (desc.device_type() != static_cast<int32_t>(c10::DeviceType::CPU)) {
     c10::Device device = decodeDevice(
@@ -405,17 +431,89 @@ at::Tensor rebuildTensor(
           describeException(std::current_exception())));
     }
   }
+  setRequiresGrad(i, desc, tensor);
+  return tensor;
+}
 
-  if (desc.requires_grad()) {
-    if (!c10::isFloatingType(dtype) && !c10::isComplexType(dtype)) {
-      throwMalformed(concat(
-          "tensor ",
-          i,
-          ": requires_grad set on dtype ",
-          c10::toString(dtype)));
+// True when the indices are sorted and unique, as a coalesced tensor's are
+// (row-major order of the sparse dimensions).
+bool indicesAreCoalesced(
+    const at::Tensor& indices,
+    c10::IntArrayRef sparseSizes) {
+  const int64_t nnz = indices.size(1);
+  if (nnz < 2) {
+    return true;
+  }
+  // Cannot overflow: the product of all sizes was checked.
+  at::Tensor linear = at::zeros({nnz}, indices.options());
+  for (size_t d = 0; d < sparseSizes.size(); ++d) {
+    linear.mul_(sparseSizes[d]).add_(indices[static_cast<int64_t>(d)]);
+  }
+  return (linear.slice(0, 1) > linear.slice(0, 0, nnz - 1)).all().item<bool>();
+}
+
+// See Note [Sparse tensors on the wire].
+at::Tensor rebuildSparse(
+    size_t i,
+    const wire::TensorDesc& desc,
+    const at::Tensor& wireIndices,
+    const at::Tensor& wireValues) {
+  if (desc.device_type() != static_cast<int32_t>(c10::DeviceType::CPU)) {
+    throwMalformed(
+        concat("tensor ", i, ": a sparse tensor must travel to the CPU"));
+  }
+  const auto dtype = wireDtype(i, desc);
+  const c10::IntArrayRef sizes(desc.sizes().data(), desc.sizes_size());
+  const int64_t sparseDim = desc.sparse_dim();
+  const int64_t nnz = desc.nnz();
+  if (sparseDim < 0 || sparseDim > static_cast<int64_t>(sizes.size()) ||
+      nnz < 0) {
+    throwMalformed(concat(
+        "tensor ",
+        i,
+        ": sparse_dim ",
+        sparseDim,
+        " and nnz ",
+        nnz,
+        " do not fit sizes ",
+        sizes));
+  }
+  int64_t numel = 1;
+  for (int64_t size : sizes) {
+    if (size < 0 || __builtin_mul_overflow(numel, size, &numel)) {
+      throwMalformed(concat("tensor ", i, ": invalid sizes ", sizes));
     }
-    // After the device move, so that the received tensor is a leaf.
-    tensor.set_requires_grad(true);
+  }
+  at::Tensor indices = viewWireBytes(
+      concat("tensor ", i, " (indices)"),
+      at::kLong,
+      {sparseDim, nnz},
+      wireIndices);
+  std::vector<int64_t> valueSizes{nnz};
+  valueSizes.insert(valueSizes.end(), sizes.begin() + sparseDim, sizes.end());
+  at::Tensor values = viewWireBytes(
+      concat("tensor ", i, " (values)"),
+      dtype,
+      valueSizes,
+      wireValues);
+  // sparse_coo_tensor with explicit sizes checks that every index is within
+  // them; a peer's bad index becomes kMalformedMessage through the caller.
+  at::Tensor tensor = at::sparse_coo_tensor(indices, values, sizes);
+  if (desc.coalesced() &&
+      indicesAreCoalesced(indices, sizes.slice(0, sparseDim))) {
+    tensor._coalesced_(true);
+  }
+  setRequiresGrad(i, desc, tensor);
+  return tensor;
+}
+
+// The conjugate and negative bits are lazy: the bytes do not include them.
+at::Tensor resolveLazyBits(at::Tensor tensor) {
+  if (tensor.is_conj()) {
+    tensor = tensor.resolve_conj();
+  }
+  if (tensor.is_neg()) {
+    tensor = tensor.resolve_neg();
   }
   return tensor;
 }
@@ -575,18 +673,21 @@ uint32_t ValueEncoder::addTensor(const at::Tensor& tensor) {
   if (!tensor.defined()) {
     throwBadArguments("cannot send an undefined tensor");
   }
+  if (tensor.layout() == at::kSparse) {
+    return addSparseTensor(tensor);
+  }
   if (tensor.layout() != at::kStrided || tensor.is_nested()) {
     throwBadArguments(concat(
         "cannot send a tensor with layout ",
         tensor.is_nested() ? std::string("nested") : c10::str(tensor.layout()),
-        " (only strided tensors)"));
+        " (only strided and sparse COO tensors)"));
   }
   const auto dtype = tensor.scalar_type();
   if (!isWireDtype(dtype)) {
     throwBadArguments(
         concat("cannot send a tensor of dtype ", c10::toString(dtype)));
   }
-  if (tensors_.size() >= std::numeric_limits<uint32_t>::max()) {
+  if (descs_.size() >= std::numeric_limits<uint32_t>::max()) {
     throwBadArguments("too many tensors in one message");
   }
 
@@ -601,14 +702,7 @@ uint32_t ValueEncoder::addTensor(const at::Tensor& tensor) {
 
   // detach(): the transport only needs the bytes, and the autograd layer
   // records edges from the caller's tensor, not from this one.
-  at::Tensor wire = tensor.detach();
-  // The conjugate and negative bits are lazy: the bytes do not include them.
-  if (wire.is_conj()) {
-    wire = wire.resolve_conj();
-  }
-  if (wire.is_neg()) {
-    wire = wire.resolve_neg();
-  }
+  at::Tensor wire = resolveLazyBits(tensor.detach());
   if (!device.is_cpu()) {
     wire = wire.to(
         at::kCPU,
@@ -635,7 +729,46 @@ uint32_t ValueEncoder::addTensor(const at::Tensor& tensor) {
   tensors_.push_back(std::move(wire));
   // Send hooks (autograd) record edges from the caller's own tensors.
   originals_.push_back(tensor);
-  return static_cast<uint32_t>(tensors_.size() - 1);
+  return static_cast<uint32_t>(descs_.size() - 1);
+}
+
+uint32_t ValueEncoder::addSparseTensor(const at::Tensor& tensor) {
+  if (!tensor.device().is_cpu()) {
+    throwBadArguments(concat(
+        "cannot send a sparse tensor on device ",
+        tensor.device(),
+        " (sparse tensors travel from the CPU only)"));
+  }
+  const auto dtype = tensor.scalar_type();
+  if (!isWireDtype(dtype)) {
+    throwBadArguments(
+        concat("cannot send a tensor of dtype ", c10::toString(dtype)));
+  }
+  if (descs_.size() >= std::numeric_limits<uint32_t>::max()) {
+    throwBadArguments("too many tensors in one message");
+  }
+  // See Note [Sparse tensors on the wire]: indices then values, each as a
+  // contiguous strided tensor; the descriptor carries the rest.
+  const at::Tensor detached = tensor.detach();
+  at::Tensor indices = detached._indices().contiguous();
+  at::Tensor values = resolveLazyBits(detached._values()).contiguous();
+
+  descs_.emplace_back();
+  wire::TensorDesc& desc = descs_.back();
+  desc.set_layout(wire::TensorDesc::SPARSE_COO);
+  desc.set_dtype(static_cast<uint32_t>(dtype));
+  const auto sizes = tensor.sizes();
+  desc.mutable_sizes()->Add(sizes.begin(), sizes.end());
+  desc.set_requires_grad(tensor.requires_grad());
+  desc.set_device_type(static_cast<int32_t>(c10::DeviceType::CPU));
+  desc.set_device_index(-1);
+  desc.set_sparse_dim(detached.sparse_dim());
+  desc.set_nnz(detached._nnz());
+  desc.set_coalesced(detached.is_coalesced());
+  tensors_.push_back(std::move(indices));
+  tensors_.push_back(std::move(values));
+  originals_.push_back(tensor);
+  return static_cast<uint32_t>(descs_.size() - 1);
 }
 
 ValueDecoder::ValueDecoder(
@@ -646,19 +779,41 @@ ValueDecoder::ValueDecoder(
     : fromWorker_(fromWorker),
       extensions_(extensions) {
   const auto& descs = envelope.tensors();
-  if (static_cast<size_t>(descs.size()) != wireTensors.size()) {
+  size_t expected = 0;
+  for (const auto& desc : descs) {
+    expected += desc.layout() == wire::TensorDesc::SPARSE_COO ? 2 : 1;
+  }
+  if (expected != wireTensors.size()) {
     throwMalformed(concat(
         "envelope describes ",
         descs.size(),
-        " tensors but ",
+        " tensors",
+        expected == static_cast<size_t>(descs.size())
+            ? std::string()
+            : concat(" in ", expected, " transport tensors"),
+        " but ",
         wireTensors.size(),
         " arrived"));
   }
-  tensors_.reserve(wireTensors.size());
+  tensors_.reserve(descs.size());
   try {
-    for (size_t i = 0; i < wireTensors.size(); ++i) {
-      tensors_.push_back(
-          rebuildTensor(i, descs[static_cast<int>(i)], wireTensors[i]));
+    size_t next = 0;
+    for (int i = 0; i < descs.size(); ++i) {
+      const auto& desc = descs[i];
+      switch (desc.layout()) {
+        case wire::TensorDesc::STRIDED:
+          tensors_.push_back(rebuildStrided(i, desc, wireTensors[next]));
+          next += 1;
+          break;
+        case wire::TensorDesc::SPARSE_COO:
+          tensors_.push_back(
+              rebuildSparse(i, desc, wireTensors[next], wireTensors[next + 1]));
+          next += 2;
+          break;
+        default:
+          throwMalformed(
+              concat("tensor ", i, ": unknown layout ", desc.layout()));
+      }
     }
   } catch (const RpcError&) {
     throw;

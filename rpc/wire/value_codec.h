@@ -41,6 +41,20 @@ constexpr int kMaxValueDepth = 64;
 // would refuse values the codec accepts). False if the bytes do not parse.
 bool parseEnvelope(const std::string& bytes, wire::Envelope* envelope);
 
+// Note [Sparse tensors on the wire]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A sparse COO tensor is one descriptor (layout SPARSE_COO: the values'
+// dtype, the full sizes, sparse_dim, nnz, coalesced) and two transport
+// tensors, its indices (int64 [sparse_dim, nnz]) and its values ([nnz] +
+// sizes[sparse_dim:]), each contiguous. Everything that indexes tensors —
+// Value.tensor_index, send and receive hooks — counts descriptors, so an
+// upper layer sees the sparse tensor as one tensor (autograd records its
+// send and recv edges like a dense one's).
+// On receipt both parts are checked like dense tensors' bytes, then
+// sparse_coo_tensor() checks every index against the sizes; the coalesced
+// flag is believed only after the indices are seen to be sorted and unique.
+// Sparse tensors travel from and to the CPU only.
+
 // Encodes the values of one outgoing message. Tensors are collected in order;
 // descriptors are written to the envelope given to finish().
 class ValueEncoder {
@@ -56,8 +70,8 @@ class ValueEncoder {
   // unsupported kind or dtype, a device without a device map entry).
   void encode(const c10::IValue& value, wire::Value* out);
 
-  // The tensors as the caller gave them (not detached or compacted), in
-  // wire order: what send hooks see.
+  // The tensors as the caller gave them (not detached or compacted), one
+  // per descriptor, in order: what send hooks see.
   const std::vector<at::Tensor>& originalTensors() const {
     return originals_;
   }
@@ -68,13 +82,18 @@ class ValueEncoder {
 
  private:
   void encodeAt(const c10::IValue& value, wire::Value* out, int depth);
+  // Both return the tensor's descriptor index (what Value.tensor_index
+  // names); a sparse tensor adds two transport tensors.
   uint32_t addTensor(const at::Tensor& tensor);
+  uint32_t addSparseTensor(const at::Tensor& tensor);
 
   int64_t toWorker_;
   const DeviceMap* deviceMap_;
   const std::vector<ValueExtension>* extensions_;
   std::vector<wire::TensorDesc> descs_;
+  // What the transport carries, in order.
   std::vector<at::Tensor> tensors_;
+  // One per descriptor.
   std::vector<at::Tensor> originals_;
 };
 

@@ -626,7 +626,7 @@ TEST(ValueCodec, UnsupportedValuesAreRefused) {
   expectEncodeRefused(
       at::quantize_per_tensor(at::ones({2}), 0.1, 0, at::kQUInt8),
       "dtype QUInt8");
-  expectEncodeRefused(at::ones({2, 2}).to_sparse(), "layout Sparse");
+  expectEncodeRefused(at::ones({2, 2}).to_sparse_csr(), "layout SparseCsr");
   expectEncodeRefused(at::Tensor(), "undefined tensor");
 }
 
@@ -831,6 +831,170 @@ TEST(ValueCodecMalformed, BadDeviceValue) {
   device->set_type(0);
   device->set_index(2);
   expectMalformed(received, "invalid device index 2 for cpu");
+}
+
+// Sparse COO tensors. See Note [Sparse tensors on the wire].
+
+void expectSameSparse(const at::Tensor& expected, const at::Tensor& actual) {
+  ASSERT_TRUE(actual.defined());
+  ASSERT_EQ(actual.layout(), at::kSparse);
+  EXPECT_EQ(actual.scalar_type(), expected.scalar_type());
+  EXPECT_EQ(actual.sizes(), expected.sizes());
+  EXPECT_EQ(actual.sparse_dim(), expected.sparse_dim());
+  EXPECT_EQ(actual.dense_dim(), expected.dense_dim());
+  EXPECT_EQ(actual.is_coalesced(), expected.is_coalesced());
+  EXPECT_EQ(actual.requires_grad(), expected.requires_grad());
+  // The same entries in the same order, duplicates included.
+  EXPECT_TRUE(at::equal(actual._indices(), expected.detach()._indices()));
+  EXPECT_TRUE(at::equal(actual._values(), expected.detach()._values()))
+      << "expected " << expected << "\nactual " << actual;
+}
+
+// Uncoalesced on purpose: index (0, 1) appears twice, out of order.
+at::Tensor sampleSparse(
+    at::ScalarType dtype,
+    std::vector<int64_t> denseSizes = {}) {
+  auto indices = at::tensor({1, 0, 0, 2, 1, 1}, at::kLong).reshape({2, 3});
+  std::vector<int64_t> valueSizes{3};
+  valueSizes.insert(valueSizes.end(), denseSizes.begin(), denseSizes.end());
+  auto values = at::arange(at::prod(at::tensor(valueSizes)).item<int64_t>())
+                    .reshape(valueSizes)
+                    .to(dtype);
+  std::vector<int64_t> sizes{3, 4};
+  sizes.insert(sizes.end(), denseSizes.begin(), denseSizes.end());
+  return at::sparse_coo_tensor(indices, values, sizes);
+}
+
+TEST(ValueCodecSparse, SparseTensorsRoundTripExactly) {
+  for (auto dtype : {at::kFloat, at::kDouble, at::kLong, at::kComplexFloat}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    auto uncoalesced = sampleSparse(dtype);
+    ASSERT_FALSE(uncoalesced.is_coalesced());
+    expectSameSparse(uncoalesced, roundTrip(uncoalesced).toTensor());
+    auto coalesced = uncoalesced.coalesce();
+    expectSameSparse(coalesced, roundTrip(coalesced).toTensor());
+    auto hybrid = sampleSparse(dtype, {2, 2});
+    expectSameSparse(hybrid, roundTrip(hybrid).toTensor());
+  }
+  auto empty = at::sparse_coo_tensor({5, 5}, at::kFloat);
+  expectSameSparse(empty, roundTrip(empty).toTensor());
+}
+
+TEST(ValueCodecSparse, RequiresGradArrivesOnALeaf) {
+  auto sent = sampleSparse(at::kFloat).requires_grad_(true);
+  auto received = roundTrip(sent).toTensor();
+  expectSameSparse(sent, received);
+  EXPECT_TRUE(received.is_leaf());
+}
+
+TEST(ValueCodecSparse, OneDescriptorAndTwoTransportTensorsEach) {
+  auto dense = at::ones({2});
+  auto sparse = sampleSparse(at::kFloat);
+  auto sent = encodeMessage({dense, sparse, dense * 2});
+  ASSERT_EQ(sent.envelope.tensors_size(), 3);
+  EXPECT_EQ(sent.envelope.tensors(1).layout(), wire::TensorDesc::SPARSE_COO);
+  ASSERT_EQ(sent.tensors.size(), 4u);
+  EXPECT_TRUE(at::equal(sent.tensors[1], sparse._indices()));
+  EXPECT_TRUE(at::equal(sent.tensors[2], sparse._values()));
+  EXPECT_EQ(sent.values.elements(2).tensor_index(), 2u);
+
+  auto values = decodeMessage(throughWire(sent));
+  ASSERT_EQ(values.size(), 3u);
+  expectSameTensor(dense, values[0].toTensor());
+  expectSameSparse(sparse, values[1].toTensor());
+  expectSameTensor(dense * 2, values[2].toTensor());
+}
+
+TEST(ValueCodecSparse, HooksSeeTheSparseTensorAsOne) {
+  auto sparse = sampleSparse(at::kFloat).requires_grad_(true);
+  auto dense = at::ones({2}, at::requires_grad());
+  ValueEncoder encoder(/*toWorker=*/1, nullptr, nullptr);
+  wire::ListValue values;
+  encoder.encode(sparse, values.add_elements());
+  encoder.encode(dense, values.add_elements());
+  ASSERT_EQ(encoder.originalTensors().size(), 2u);
+  EXPECT_TRUE(encoder.originalTensors()[0].is_same(sparse));
+  EXPECT_TRUE(encoder.originalTensors()[1].is_same(dense));
+
+  Message received = throughWire(encodeMessage({sparse, dense}));
+  ValueDecoder decoder(0, received.envelope, received.tensors, nullptr);
+  ASSERT_EQ(decoder.tensors().size(), 2u);
+  EXPECT_EQ(decoder.tensors()[0].layout(), at::kSparse);
+}
+
+TEST(ValueCodecSparse, OtherSparseLayoutsAreRefused) {
+  expectEncodeRefused(at::ones({2, 2}).to_sparse_csr(), "layout SparseCsr");
+}
+
+Message validSparseMessage() {
+  return throughWire(encodeMessage({sampleSparse(at::kFloat).coalesce()}));
+}
+
+TEST(ValueCodecSparseMalformed, IndexOutOfBounds) {
+  auto received = validSparseMessage();
+  received.tensors[0].view(at::kLong)[3] = 4; // column 4 of a 3 x 4 tensor
+  expectMalformed(received, "for dim 1, size is 4 but found index 4");
+  received = validSparseMessage();
+  received.tensors[0].view(at::kLong)[0] = -1;
+  expectMalformed(received, "found negative index -1 for dim 0");
+}
+
+TEST(ValueCodecSparseMalformed, TransportTensorCountMismatch) {
+  auto received = validSparseMessage();
+  received.tensors.pop_back();
+  expectMalformed(
+      received,
+      "describes 1 tensors in 2 transport tensors but 1 arrived");
+}
+
+TEST(ValueCodecSparseMalformed, ShapesThatDoNotFit) {
+  auto received = validSparseMessage();
+  received.envelope.mutable_tensors(0)->set_sparse_dim(3);
+  expectMalformed(received, "sparse_dim 3 and nnz 2 do not fit sizes [3, 4]");
+  received = validSparseMessage();
+  received.envelope.mutable_tensors(0)->set_nnz(-1);
+  expectMalformed(received, "sparse_dim 2 and nnz -1");
+  received = validSparseMessage();
+  received.envelope.mutable_tensors(0)->set_nnz(4);
+  expectMalformed(
+      received,
+      "tensor 0 (indices): descriptor needs 64 bytes but 32 arrived");
+  received = validSparseMessage();
+  received.envelope.mutable_tensors(0)->set_sizes(0, -3);
+  expectMalformed(received, "tensor 0: invalid sizes [-3, 4]");
+  received = validSparseMessage();
+  received.envelope.mutable_tensors(0)->set_sizes(
+      0,
+      std::numeric_limits<int64_t>::max());
+  expectMalformed(received, "invalid sizes");
+}
+
+TEST(ValueCodecSparseMalformed, UnknownLayout) {
+  auto received = validSparseMessage();
+  received.envelope.mutable_tensors(0)->set_layout(
+      static_cast<wire::TensorDesc::Layout>(7));
+  // Seen as a strided tensor's count first: 1 transport tensor expected.
+  expectMalformed(received, "but 2 arrived");
+  received.tensors.pop_back();
+  expectMalformed(received, "tensor 0: unknown layout 7");
+}
+
+TEST(ValueCodecSparseMalformed, SparseTensorForADeviceIsRefused) {
+  auto received = validSparseMessage();
+  received.envelope.mutable_tensors(0)->set_device_type(
+      static_cast<int32_t>(c10::DeviceType::CUDA));
+  expectMalformed(received, "a sparse tensor must travel to the CPU");
+}
+
+TEST(ValueCodecSparseMalformed, CoalescedFlagIsCheckedNotBelieved) {
+  // Claims to be coalesced, but its indices are neither sorted nor unique:
+  // it arrives as an uncoalesced tensor with the same entries.
+  auto sent = encodeMessage({sampleSparse(at::kFloat)});
+  sent.envelope.mutable_tensors(0)->set_coalesced(true);
+  auto received = decodeMessage(throughWire(sent)).at(0).toTensor();
+  EXPECT_FALSE(received.is_coalesced());
+  EXPECT_TRUE(
+      at::equal(received.to_dense(), sampleSparse(at::kFloat).to_dense()));
 }
 
 } // namespace
