@@ -76,6 +76,18 @@ struct RecordingPostHook : torch::autograd::FunctionPostHook {
   std::shared_ptr<std::vector<at::Tensor>> seen_;
 };
 
+// torch::nn::EmbeddingBag(sparse=true) in sum mode, bags of two rows.
+at::Tensor sparseEmbeddingBag(const at::Tensor& table, const at::Tensor& rows) {
+  auto offsets = at::arange(0, rows.numel(), 2, at::kLong);
+  return std::get<0>(at::embedding_bag(
+      table,
+      rows,
+      offsets,
+      /*scale_grad_by_freq=*/false,
+      /*mode=*/0,
+      /*sparse=*/true));
+}
+
 class GradientSemantics : public ::testing::TestWithParam<TestTransport> {
  protected:
   void SetUp() override {
@@ -92,14 +104,10 @@ class GradientSemantics : public ::testing::TestWithParam<TestTransport> {
           rt.functions().add("slow", [](at::Tensor x) {
             return zoo::SlowBackward::apply(x, 1000);
           });
-          // Rows of worker1's embedding table; its gradient is sparse.
+          // Bags of rows of worker1's table, summed; its gradient is
+          // sparse.
           rt.functions().add("embed", [table](at::Tensor rows) {
-            return at::embedding(
-                *table,
-                rows,
-                /*padding_idx=*/-1,
-                /*scale_grad_by_freq=*/false,
-                /*sparse=*/true);
+            return sparseEmbeddingBag(*table, rows);
           });
         });
   }
@@ -261,10 +269,10 @@ TEST_P(GradientSemantics, ALeafRootIsRefusedNamingIt) {
   EXPECT_FALSE(b.grad().defined());
 }
 
-// A sparse embedding table on worker1, a dense head on worker0, trained by
+// A sparse EmbeddingBag on worker1, a dense head on worker0, trained by
 // hand with SGD for a few steps: the parameters equal the same model
 // trained in one process, bit for bit.
-TEST_P(GradientSemantics, ASparseEmbeddingTrainsAsInOneProcess) {
+TEST_P(GradientSemantics, ASparseEmbeddingBagTrainsAsInOneProcess) {
   auto initialTable = at::sin(at::arange(40, at::kFloat)).reshape({10, 4});
   auto initialHead = at::cos(at::arange(4, at::kFloat));
   *table_ = initialTable.clone().requires_grad_();
@@ -279,8 +287,8 @@ TEST_P(GradientSemantics, ASparseEmbeddingTrainsAsInOneProcess) {
   auto localTable = initialTable.clone().requires_grad_();
   auto localHead = initialHead.clone().requires_grad_();
   for (const auto& batch : batches) {
-    auto rows = at::embedding(localTable, batch, -1, false, /*sparse=*/true);
-    auto loss = (rows.mv(localHead)).pow(2).sum();
+    auto bags = sparseEmbeddingBag(localTable, batch);
+    auto loss = (bags.mv(localHead)).pow(2).sum();
     loss.backward();
     ASSERT_TRUE(localTable.grad().is_sparse());
     {
