@@ -144,7 +144,9 @@ ContextContainer::Counters ContextContainer::counters() const {
 // ---- contexts ---------------------------------------------------------------
 
 std::shared_ptr<DistContext> ContextContainer::open() {
-  auto context = std::make_shared<DistContext>(mintId(nextContextId_));
+  auto context = std::make_shared<DistContext>(
+      mintId(nextContextId_),
+      runtime_.self().name);
   std::lock_guard<std::mutex> guard(mutex_);
   TORCH_CHECK(!closed_, "the runtime has shut down");
   contexts_.emplace(context->id(), context);
@@ -166,13 +168,13 @@ std::shared_ptr<DistContext> ContextContainer::join(int64_t id) {
   if (released_.count(id) > 0 || closed_) {
     throw rpc::RpcError(
         rpc::ErrorCode::kBadArguments,
-        "",
+        runtime_.self().name,
         "",
         0,
         "distributed autograd context " + std::to_string(id) +
             " was already released");
   }
-  auto context = std::make_shared<DistContext>(id);
+  auto context = std::make_shared<DistContext>(id, runtime_.self().name);
   contexts_.emplace(id, context);
   return context;
 }

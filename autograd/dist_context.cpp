@@ -1,5 +1,8 @@
 #include "torchrpc/autograd/dist_context.h"
 
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
 #include "torchrpc/autograd/engine/local_backward.h"
 #include "torchrpc/rpc/errors.h"
 
@@ -81,14 +84,31 @@ size_t DistContext::passCount() const {
 
 void DistContext::accumulateGradients(
     std::vector<std::pair<at::Tensor, at::Tensor>> gradients) {
+  // See Note [Gradient ownership].
+  at::AutoGradMode gradMode(false);
   std::lock_guard<std::mutex> guard(mutex_);
   for (auto& entry : gradients) {
-    auto it = gradients_.find(entry.first);
-    if (it == gradients_.end()) {
-      gradients_.insert(entry.first, std::move(entry.second));
-    } else {
-      it->setValue(it->value() + entry.second);
+    const at::Tensor& leaf = entry.first;
+    at::Tensor grad = std::move(entry.second);
+    at::Tensor buffer;
+    auto it = gradients_.find(leaf);
+    if (it != gradients_.end()) {
+      buffer = it->value();
     }
+    // `grad` is the one reference this function may count on; a dense
+    // gradient sharing its storage with another tensor counts as seen by
+    // someone else, so it is copied (rule 1).
+    const bool sharesStorage = grad.layout() == at::kStrided &&
+        grad.has_storage() && grad.storage().use_count() > 1;
+    const size_t expectedReferences = sharesStorage ? 0 : 1;
+    torch::autograd::AccumulateGrad::accumulateGrad(
+        leaf,
+        buffer,
+        grad,
+        expectedReferences,
+        [this, &leaf](at::Tensor&& update) {
+          gradients_.insert_or_assign(leaf, std::move(update));
+        });
   }
 }
 
@@ -106,7 +126,7 @@ void DistContext::close() {
   for (auto& entry : passes) {
     entry.second->fail(rpc::makeRpcError(
         rpc::ErrorCode::kShuttingDown,
-        "",
+        workerName_,
         "autograd.backward",
         0,
         "distributed autograd context " + std::to_string(id_) +

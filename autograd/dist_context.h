@@ -5,6 +5,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -22,6 +23,29 @@ namespace detail {
 class LocalBackward;
 } // namespace detail
 
+// Note [Gradient ownership]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A context owns the gradient buffers it holds, as a leaf owns its .grad:
+// the user may clip, scale or step them in place without touching anything
+// else. The rules are libtorch's own, applied by calling
+// torch::autograd::AccumulateGrad::accumulateGrad (with grad mode off, as
+// distributed backward has no higher-order gradients):
+//  1. A leaf's first gradient is taken without a copy only when nothing else
+//     can see it: no other reference to the tensor (it is not also another
+//     leaf's gradient, nor held by the graph or a hook), no other tensor on
+//     its storage (it is not a view of, or the storage of, another tensor),
+//     and it obeys the gradient layout contract (dense, non-overlapping,
+//     strided like the leaf; an expanded, stride-0 gradient does not).
+//     Otherwise it is copied into a buffer laid out like the leaf.
+//  2. A sparse gradient is taken when its indices and values are contiguous
+//     and unshared, and cloned otherwise.
+//  3. A later gradient is added into the buffer in place; sparse + sparse
+//     stays sparse, a dense gradient into a sparse buffer makes it dense
+//     (a new buffer), a sparse gradient into a dense buffer adds in place.
+// Rule 1's "no other tensor on its storage" is ours: libtorch checks only
+// the tensor's references, and a gradient that came over the wire or out of
+// a view could otherwise share bytes with another buffer.
+
 // What one worker records of one distributed autograd context: the send and
 // recv functions of the messages it sent and received in it, the workers it
 // exchanged them with (who must release the context too), the backward
@@ -29,7 +53,10 @@ class LocalBackward;
 // Thread-safe.
 class DistContext {
  public:
-  explicit DistContext(int64_t id) : id_(id) {}
+  // workerName: this worker, named in the errors the context raises.
+  DistContext(int64_t id, std::string workerName)
+      : id_(id),
+        workerName_(std::move(workerName)) {}
 
   int64_t id() const {
     return id_;
@@ -56,11 +83,14 @@ class DistContext {
   void removePass(int64_t passId);
   size_t passCount() const;
 
-  // Adds a pass's leaf gradients to what earlier passes left.
+  // Adds a pass's leaf gradients (leaf, gradient) to what earlier passes
+  // left, taking or copying each as Note [Gradient ownership] says.
   void accumulateGradients(
       std::vector<std::pair<at::Tensor, at::Tensor>> gradients);
-  // Leaf -> gradient, summed over the passes that ended here. The tensors
-  // may be shared with other gradients: treat them as read-only.
+  // Leaf -> gradient, summed over the passes that ended here. Each is this
+  // context's own buffer (Note [Gradient ownership]): changing one in place
+  // changes no other tensor, and later passes of the context accumulate
+  // into it.
   c10::Dict<at::Tensor, at::Tensor> gradients() const;
 
   // The context is released: fails the passes still running here.
@@ -68,6 +98,7 @@ class DistContext {
 
  private:
   const int64_t id_;
+  const std::string workerName_;
   mutable std::mutex mutex_;
   std::map<int64_t, std::shared_ptr<SendFunction>> sends_;
   std::map<int64_t, std::shared_ptr<RecvFunction>> recvs_;

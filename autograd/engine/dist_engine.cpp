@@ -79,13 +79,15 @@ DistEngine::DistEngine(rpc::Runtime& runtime, ContextTable contexts)
 
 void DistEngine::registerWithAgent() {
   std::weak_ptr<DistEngine> weak = weak_from_this();
-  auto bind = [weak](FuturePtr (DistEngine::*handler)(rpc::Request &&)) {
-    return [weak, handler](rpc::Request&& request) -> FuturePtr {
+  const std::string& selfName = runtime_.self().name;
+  auto bind = [weak,
+               &selfName](FuturePtr (DistEngine::*handler)(rpc::Request &&)) {
+    return [weak, handler, selfName](rpc::Request&& request) -> FuturePtr {
       auto self = weak.lock();
       if (!self) {
         return failedFuture(rpc::makeRpcError(
             rpc::ErrorCode::kShuttingDown,
-            "",
+            selfName,
             kWhat,
             request.id,
             "the distributed autograd layer is gone"));
@@ -210,6 +212,14 @@ std::pair<torch::autograd::edge_list, torch::autograd::variable_list> takeRoots(
         "root ",
         i,
         " of backward does not require grad and has no grad_fn");
+    // As PyTorch's distributed engine: a leaf root would only hand its own
+    // gradient (ones) to itself.
+    TORCH_CHECK(
+        root.grad_fn(),
+        "root ",
+        i,
+        " of backward is a leaf tensor: it does not have a valid gradient "
+        "function");
     at::Tensor grad = grads.empty() ? at::Tensor() : grads[i];
     if (grad.defined()) {
       TORCH_CHECK(
@@ -362,14 +372,15 @@ void DistEngine::discoverThenRun(
     driven->fail(std::current_exception());
     return;
   }
-  found->addCallback([driven, pass, finish](c10::ivalue::Future& discovered) {
+  found->addCallback([driven, pass, finish, selfName = runtime_.self().name](
+                         c10::ivalue::Future& discovered) {
     auto self = driven->engine.lock();
     if (discovered.hasError() || !self) {
       driven->fail(
           discovered.hasError() ? discovered.exception_ptr()
                                 : rpc::makeRpcError(
                                       rpc::ErrorCode::kShuttingDown,
-                                      "",
+                                      selfName,
                                       kWhat,
                                       0,
                                       "the runtime is gone"));

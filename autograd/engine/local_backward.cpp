@@ -38,12 +38,17 @@ variable_list callPreHooks(Node& node, variable_list inputs) {
 }
 
 // Sums gradients out of place: a gradient may be shared by several edges.
+// sparse + sparse stays sparse; with a dense one the sum is dense, and the
+// dense operand goes first (libtorch's CPU add refuses sparse + dense).
 at::Tensor accumulate(const at::Tensor& sum, at::Tensor grad) {
   if (!sum.defined()) {
     return grad;
   }
   if (!grad.defined()) {
     return sum;
+  }
+  if (sum.is_sparse() && !grad.is_sparse()) {
+    return grad + sum;
   }
   return sum + grad;
 }
@@ -457,8 +462,15 @@ void LocalBackward::maybeCompleteLocked(std::unique_lock<std::mutex>& lock) {
   auto leaves = std::move(leaves_);
   leaves_.clear();
   lock.unlock();
-  // Leaf hooks run once, on the leaf's whole gradient of this pass.
+  // Leaf hooks run once, on the leaf's whole gradient of this pass, as
+  // libtorch's engine runs an AccumulateGrad node: pre-hooks and the
+  // tensor's hooks on the gradient, the accumulation, then post-hooks with
+  // (no outputs, the gradient).
   std::vector<std::pair<at::Tensor, at::Tensor>> gradients;
+  // Leaves with post-hooks, and the gradient each hook is shown. Holding it
+  // makes the context copy that gradient (Note [Gradient ownership]); only
+  // those leaves pay for it.
+  std::vector<std::pair<AccumulateGrad*, variable_list>> postHooked;
   try {
     at::AutoGradMode gradMode(false);
     for (auto& leaf : leaves) {
@@ -468,6 +480,12 @@ void LocalBackward::maybeCompleteLocked(std::unique_lock<std::mutex>& lock) {
       auto& accumulator = static_cast<AccumulateGrad&>(*leaf.first);
       variable_list grad =
           callPreHooks(accumulator, variable_list{std::move(leaf.second)});
+      // libtorch shows post-hooks the node's input: in 1.x the tensor's
+      // hooks run inside AccumulateGrad::apply, after that input is taken;
+      // in 2.x they are pre-hooks and already ran.
+      if (!accumulator.post_hooks().empty()) {
+        postHooked.emplace_back(&accumulator, grad);
+      }
 #if TORCH_VERSION_MAJOR < 2
       grad[0] = AccumulateGrad::callHooks(accumulator.variable, grad[0]);
 #endif
@@ -476,6 +494,12 @@ void LocalBackward::maybeCompleteLocked(std::unique_lock<std::mutex>& lock) {
       }
     }
     leavesReady_(std::move(gradients));
+    const variable_list noOutputs;
+    for (auto& entry : postHooked) {
+      for (const auto& hook : entry.first->post_hooks()) {
+        (*hook)(noOutputs, entry.second);
+      }
+    }
   } catch (const std::exception& e) {
     done_->setError(rpc::makeRpcError(
         rpc::ErrorCode::kRemoteException,

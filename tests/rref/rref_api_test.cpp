@@ -44,6 +44,7 @@ at::Tensor scale(at::Tensor x, double factor) {
 void registerFunctions(int rank, rpc::Runtime& rt) {
   rt.functions().add("scale", &scale);
   rt.functions().add("zeros", [](int64_t n) { return at::zeros({n}); });
+  rt.functions().add("to_sparse", [](at::Tensor x) { return x.to_sparse(); });
   rt.functions().add("boom", []() -> at::Tensor {
     throw std::runtime_error("boom from the owner");
   });
@@ -133,6 +134,20 @@ TEST_P(RRefApi, RemoteThenToHereReturnsTheOwnersResult) {
   EXPECT_TRUE(r.confirmedByOwner());
   EXPECT_EQ(cluster_->context(1).counters().ownerRRefs, 1u);
   EXPECT_EQ(cluster_->context(0).counters().userRRefs, 1u);
+  r = RRef<at::Tensor>();
+  EXPECT_TRUE(cluster_->waitForEmptyTables());
+}
+
+TEST_P(RRefApi, SparseTensorsAreValuesArgumentsAndResults) {
+  auto dense = at::tensor({0.0f, 2.0f, 3.0f, 0.0f}).reshape({2, 2});
+  auto r = rref::remote<at::Tensor>(rt(0), "worker1", "to_sparse", dense);
+  auto here = r.toHere();
+  ASSERT_TRUE(here.is_sparse());
+  EXPECT_TRUE(at::equal(here.to_dense(), dense));
+  auto scaled =
+      rt(0).rpcSync<at::Tensor>("worker1", "scale", dense.to_sparse(), 2.0);
+  ASSERT_TRUE(scaled.is_sparse());
+  EXPECT_TRUE(at::equal(scaled.to_dense(), dense * 2));
   r = RRef<at::Tensor>();
   EXPECT_TRUE(cluster_->waitForEmptyTables());
 }

@@ -54,14 +54,15 @@ class Net {
   }
 
   // Deterministic values, different per worker and name. "W..." names are
-  // 4x4 matrices, others 4-vectors.
+  // 4x4 matrices, "E..." names 6x4 embedding tables, others 4-vectors.
   static at::Tensor makeParam(int rank, const std::string& name) {
     double salt = 0.1 * static_cast<double>(std::hash<std::string>()(name) % 7);
-    int64_t n = name[0] == 'W' ? 16 : 4;
+    int64_t rows = name[0] == 'W' ? 4 : name[0] == 'E' ? 6 : 1;
+    int64_t n = rows * 4;
     auto values =
         (at::arange(1, n + 1, at::kFloat) * (0.3 + 0.2 * rank) + salt).sin();
-    if (n == 16) {
-      values = values.reshape({4, 4});
+    if (rows > 1) {
+      values = values.reshape({rows, 4});
     }
     return values.requires_grad_();
   }
@@ -125,6 +126,19 @@ using Op = std::function<std::vector<at::Tensor>(
     Net& here,
     std::vector<at::Tensor> inputs,
     std::vector<int64_t> path)>;
+
+// An embedding lookup whose gradient is a sparse COO tensor, as
+// torch::nn::Embedding with sparse(true) makes it.
+inline at::Tensor sparseEmbedding(
+    const at::Tensor& table,
+    const at::Tensor& indices) {
+  return at::embedding(
+      table,
+      indices,
+      /*padding_idx=*/-1,
+      /*scale_grad_by_freq=*/false,
+      /*sparse=*/true);
+}
 
 // What "relay" does after its nested call; "relay_async" shares it.
 inline at::Tensor relayFinish(const at::Tensor& u, const at::Tensor& v) {
@@ -209,6 +223,31 @@ inline const std::map<std::string, Op>& ops() {
        [](Net& here, std::vector<at::Tensor> in, std::vector<int64_t>) {
          return std::vector<at::Tensor>{(in.at(0) * here.param("w")).sum()};
        }},
+      // Rows of the table E picked by in[1] (sparse gradient), times in[0].
+      {"embed_E",
+       [](Net& here, std::vector<at::Tensor> in, std::vector<int64_t>) {
+         return std::vector<at::Tensor>{
+             sparseEmbedding(here.param("E"), in.at(1)).mv(in.at(0))};
+       }},
+      // The table used sparsely and densely: its gradient becomes dense.
+      {"embed_E_and_sum",
+       [](Net& here, std::vector<at::Tensor> in, std::vector<int64_t>) {
+         auto table = here.param("E");
+         return std::vector<at::Tensor>{
+             sparseEmbedding(table, in.at(1)).mv(in.at(0)) +
+             table.sum(0).narrow(0, 0, 4)};
+       }},
+      // Sends the table itself: its sparse gradient comes back over the wire.
+      {"table_E",
+       [](Net& here, std::vector<at::Tensor>, std::vector<int64_t>) {
+         return std::vector<at::Tensor>{here.param("E") * 1};
+       }},
+      // Embeds with a table that came from elsewhere.
+      {"embed_with",
+       [](Net&, std::vector<at::Tensor> in, std::vector<int64_t>) {
+         return std::vector<at::Tensor>{
+             sparseEmbedding(in.at(0), in.at(2)).mv(in.at(1))};
+       }},
   };
   return table;
 }
@@ -236,6 +275,11 @@ struct Case {
 
 inline at::Tensor input() {
   return at::tensor({0.5f, -1.25f, 2.0f, 0.75f});
+}
+
+// Rows of an "E" table, one repeated.
+inline at::Tensor rows() {
+  return at::tensor({1, 4, 1, 5}, at::kLong);
 }
 
 // The zoo. Worker 0 drives.
@@ -387,6 +431,60 @@ inline std::vector<Case> makeCases() {
          return Roots{{(y * x).sum()}, {}};
        },
        {{0, "w"}, {1, "w"}, {2, "w"}}});
+
+  // Sparse gradients (sparse embedding tables), in the shapes above.
+  all.push_back(
+      {"SparseChainAToBToC",
+       3,
+       [](Net& n) {
+         auto x = input() * n.param("w");
+         auto y = n.run(1, "embed_E", {x, rows()}).at(0);
+         auto z = n.run(2, "embed_E", {y, rows().flip(0)}).at(0);
+         return Roots{{(z * n.param("v")).sum()}, {}};
+       },
+       {{0, "w"}, {0, "v"}, {1, "E"}, {2, "E"}}});
+  all.push_back(
+      {"SparseGradientCrossesTheWire",
+       2,
+       [](Net& n) {
+         auto x = input() * n.param("w");
+         auto table = n.run(1, "table_E", {}).at(0);
+         auto y = n.run(0, "embed_with", {table, x, rows()}).at(0);
+         return Roots{{(y * y).sum()}, {}};
+       },
+       {{0, "w"}, {1, "E"}}});
+  all.push_back(
+      {"SparseFanOutFanIn",
+       3,
+       [](Net& n) {
+         auto x = input() * n.param("w");
+         auto table = n.run(1, "table_E", {}).at(0);
+         // The same remote table embedded on two workers: two sparse
+         // gradients meet at worker1's send and stay sparse.
+         auto a = n.run(2, "embed_with", {table, x, rows()}).at(0);
+         auto b = n.run(0, "embed_with", {table, x * 2, rows().flip(0)}).at(0);
+         return Roots{{(a * b).sum()}, {}};
+       },
+       {{0, "w"}, {1, "E"}}});
+  all.push_back(
+      {"SparseAndDenseGradientsMakeADenseOne",
+       2,
+       [](Net& n) {
+         auto x = input() * n.param("w");
+         auto y = n.run(1, "embed_E_and_sum", {x, rows()}).at(0);
+         return Roots{{y.pow(2).sum()}, {}};
+       },
+       {{0, "w"}, {1, "E"}}});
+  all.push_back(
+      {"SparseRetainGraphTwoPassesAccumulate",
+       2,
+       [](Net& n) {
+         auto x = input() * n.param("w");
+         auto y = n.run(1, "embed_E", {x, rows()}).at(0);
+         return Roots{{y.sum()}, {}};
+       },
+       {{0, "w"}, {1, "E"}},
+       2});
   return all;
 }
 
@@ -406,6 +504,13 @@ inline void expectGradient(
     return;
   }
   ASSERT_TRUE(got.defined()) << what << " has no gradient";
+  // Sparse stays sparse, and dense dense: the layout is part of the result.
+  ASSERT_EQ(got.layout(), expected.layout()) << what;
+  if (expected.is_sparse()) {
+    // Duplicate entries may come in another order; their sums may not.
+    expectGradient(got.to_dense(), expected.to_dense(), tolerance, what);
+    return;
+  }
   if (tolerance == 0) {
     EXPECT_TRUE(at::equal(got, expected))
         << what << ": got " << got << " expected " << expected;
