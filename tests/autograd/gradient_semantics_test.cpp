@@ -88,6 +88,14 @@ at::Tensor sparseEmbeddingBag(const at::Tensor& table, const at::Tensor& rows) {
       /*sparse=*/true));
 }
 
+// Adds one to the gradient it is shown.
+struct AddOnePreHook : torch::autograd::FunctionPreHook {
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& grads) override {
+    return {grads.at(0) + 1};
+  }
+};
+
 class GradientSemantics : public ::testing::TestWithParam<TestTransport> {
  protected:
   void SetUp() override {
@@ -222,6 +230,7 @@ TEST_P(GradientSemantics, HooksOfALeafRunAsInALocalBackward) {
     // The leaf keeps only a weak reference to its accumulator: hold it, or
     // the hook goes with it before the forward makes a new one.
     auto accumulator = torch::autograd::impl::grad_accumulator(a);
+    accumulator->add_pre_hook(std::make_unique<AddOnePreHook>());
     accumulator->add_post_hook(std::make_unique<RecordingPostHook>(seen));
     at::Tensor got;
     if (distributed) {
@@ -241,6 +250,9 @@ TEST_P(GradientSemantics, HooksOfALeafRunAsInALocalBackward) {
   auto dist = run(true);
   EXPECT_TRUE(at::equal(dist.first, local.first))
       << dist.first << " vs " << local.first;
+  // The hooks did something: without them the gradient is 6a.
+  auto withoutHooks = at::tensor({6.0f, -12.0f, 3.0f});
+  EXPECT_FALSE(at::equal(local.first, withoutHooks));
   ASSERT_EQ(local.second.size(), 1u);
   ASSERT_EQ(dist.second.size(), 1u) << "the post-hook runs once per pass";
   EXPECT_TRUE(at::equal(dist.second[0], local.second[0]))
