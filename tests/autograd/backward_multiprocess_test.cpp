@@ -413,10 +413,8 @@ INSTANTIATE_TEST_SUITE_P(
     MultiProcessBackwardZoo,
     ::testing::ValuesIn(zooParams()),
     [](const ::testing::TestParamInfo<ZooParam>& info) {
-      return processTransportName(::testing::TestParamInfo<rpc::TransportKind>(
-                 info.param.transport,
-                 0)) +
-          "_" + zoo::cases().at(info.param.index).name;
+      return transportName(info.param.transport) + "_" +
+          zoo::cases().at(info.param.index).name;
     });
 
 // ---- failures, per transport
@@ -555,7 +553,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         rpc::TransportKind::kTensorPipe,
         rpc::TransportKind::kTcp),
-    processTransportName);
+    transportParamName);
 
 } // namespace
 } // namespace testing

@@ -10,15 +10,14 @@
 
 #include <random>
 
-#include "torchrpc/rpc/transport/tcp/tcp_transport.h"
 #include "tests/support/local_cluster.h"
+#include "torchrpc/rpc/transport/tcp/tcp_transport.h"
 
 namespace torchrpc {
 namespace {
 
 using namespace std::chrono_literals;
 using testing::LocalCluster;
-using testing::TestTransport;
 
 // "tcp://127.0.0.1:port" of a worker, from the rendezvous store.
 std::string addressOf(LocalCluster& cluster, int rank) {
@@ -75,7 +74,7 @@ class HostilePeerTest : public ::testing::Test {
  protected:
   void SetUp() override {
     cluster_ = std::make_unique<LocalCluster>(
-        TestTransport::kTcp,
+        rpc::TransportKind::kTcp,
         3,
         [](int, rpc::Options& o) {
           o.sharedSecret = "job secret";

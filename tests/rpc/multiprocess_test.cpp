@@ -12,8 +12,8 @@
 #include <string>
 #include <thread>
 
-#include "torchrpc/rpc/runtime.h"
 #include "tests/support/child_processes.h"
+#include "torchrpc/rpc/runtime.h"
 
 namespace torchrpc {
 namespace {
@@ -219,7 +219,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         rpc::TransportKind::kTensorPipe,
         rpc::TransportKind::kTcp),
-    testing::processTransportName);
+    testing::transportParamName);
 
 } // namespace
 } // namespace torchrpc

@@ -98,7 +98,7 @@ void registerFunctions(int rank, rpc::Runtime& rt) {
       });
 }
 
-class RRefApi : public ::testing::TestWithParam<TestTransport> {
+class RRefApi : public ::testing::TestWithParam<rpc::TransportKind> {
  protected:
   void SetUp() override {
     cluster_ = std::make_unique<RRefCluster>(GetParam(), 3, &registerFunctions);
@@ -431,10 +431,10 @@ INSTANTIATE_TEST_SUITE_P(
     Transports,
     RRefApi,
     ::testing::Values(
-        TestTransport::kInProcess,
-        TestTransport::kTcp,
-        TestTransport::kTensorPipe),
-    transportName);
+        rpc::TransportKind::kInProcess,
+        rpc::TransportKind::kTcp,
+        rpc::TransportKind::kTensorPipe),
+    transportParamName);
 
 } // namespace
 } // namespace testing

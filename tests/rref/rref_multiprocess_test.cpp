@@ -1077,7 +1077,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         rpc::TransportKind::kTensorPipe,
         rpc::TransportKind::kTcp),
-    processTransportName);
+    transportParamName);
 
 } // namespace
 } // namespace testing

@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/support/transport_names.h"
 #include "torchrpc/rpc/options.h"
 
 namespace torchrpc {
@@ -112,12 +113,6 @@ class ChildProcesses {
 
   std::vector<pid_t> pids_;
 };
-
-// Names the process-tier test instances by transport.
-inline std::string processTransportName(
-    const ::testing::TestParamInfo<rpc::TransportKind>& info) {
-  return info.param == rpc::TransportKind::kTcp ? "Tcp" : "TensorPipe";
-}
 
 } // namespace testing
 } // namespace torchrpc

@@ -12,9 +12,9 @@
 #include <string>
 #include <thread>
 
+#include "tests/support/local_cluster.h"
 #include "torchrpc/rref/rref.h"
 #include "torchrpc/rref/rref_context.h"
-#include "tests/support/local_cluster.h"
 
 namespace torchrpc {
 namespace testing {
@@ -37,7 +37,7 @@ class RRefCluster {
  public:
   // setup(rank, runtime) registers functions before start().
   RRefCluster(
-      TestTransport transport,
+      rpc::TransportKind transport,
       int worldSize,
       std::function<void(int, rpc::Runtime&)> setup = nullptr,
       std::function<void(int, rpc::Options&)> configure = nullptr)
