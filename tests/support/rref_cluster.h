@@ -33,6 +33,30 @@ inline bool allZero(const rref::RRefCounters& c) {
       c.pendingConfirmations == 0 && c.tombstones == 0;
 }
 
+// Calls visit(element) for each element of a list or tuple, or each value
+// of a dict, that is an RRef, in order; other values are skipped.
+template <typename Visit>
+void forEachRRefIn(const c10::IValue& container, Visit&& visit) {
+  auto visitIfRRef = [&](const c10::IValue& v) {
+    if (v.isRRef()) {
+      visit(v);
+    }
+  };
+  if (container.isList()) {
+    for (const auto& v : container.toListRef()) {
+      visitIfRRef(v);
+    }
+  } else if (container.isTuple()) {
+    for (const auto& v : container.toTupleRef().elements()) {
+      visitIfRRef(v);
+    }
+  } else if (container.isGenericDict()) {
+    for (const auto& entry : container.toGenericDict()) {
+      visitIfRRef(entry.value());
+    }
+  }
+}
+
 class RRefCluster {
  public:
   // setup(rank, runtime) registers functions before start().
