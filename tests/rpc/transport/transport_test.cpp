@@ -1,6 +1,6 @@
-// One conformance suite for every Transport (see rpc/transport/transport.h),
-// run over the in-process transport and TensorPipe, plus tests of what only one
-// of them has (fault injection, TensorPipe channels and shm).
+// One conformance suite for every Transport (rpc/transport/transport.h), run
+// over the in-process transport, TensorPipe and TCP, plus tests of what only
+// one of them has (fault injection, TensorPipe channels and shm).
 
 #include <ATen/ATen.h>
 #include <arpa/inet.h>
