@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <ostream>
 #include <string>
 
 #include "torchrpc/rpc/options.h"
@@ -34,4 +35,14 @@ inline std::string transportParamName(
 }
 
 } // namespace testing
+
+namespace rpc {
+
+// How GoogleTest prints the parameter (found by argument-dependent lookup):
+// "GetParam() = Tcp" in failures and CTest entries, not the enum's bytes.
+inline void PrintTo(TransportKind kind, std::ostream* out) {
+  *out << testing::transportName(kind);
+}
+
+} // namespace rpc
 } // namespace torchrpc
