@@ -177,22 +177,6 @@ void registerChecks(
       });
 }
 
-rpc::Options workerOptions(
-    int rank,
-    int worldSize,
-    const std::string& rendezvous,
-    rpc::TransportKind transport) {
-  rpc::Options o;
-  o.rank = rank;
-  o.worldSize = worldSize;
-  o.initMethod = "file://" + rendezvous;
-  o.transport = transport;
-  o.rendezvousTimeout = 30s;
-  o.shutdownTimeout = 30s;
-  o.defaultTimeout = 30s;
-  return o;
-}
-
 // What one worker's body gets.
 struct Worker {
   int rank;
@@ -215,7 +199,7 @@ std::vector<pid_t> spawnWorkers(
     pids.push_back(children.spawn([&, rank]() {
       torchrpc::Runtime rt(
           workerName(rank),
-          workerOptions(rank, worldSize, rendezvous.path(), transport));
+          childWorkerOptions(rank, worldSize, rendezvous.path(), transport));
       auto net = std::make_shared<zoo::DistNet>(rt);
       zoo::registerZoo(rt, net);
       registerChecks(rt, net, announceFd);
@@ -413,10 +397,8 @@ INSTANTIATE_TEST_SUITE_P(
     MultiProcessBackwardZoo,
     ::testing::ValuesIn(zooParams()),
     [](const ::testing::TestParamInfo<ZooParam>& info) {
-      return processTransportName(::testing::TestParamInfo<rpc::TransportKind>(
-                 info.param.transport,
-                 0)) +
-          "_" + zoo::cases().at(info.param.index).name;
+      return transportName(info.param.transport) + "_" +
+          zoo::cases().at(info.param.index).name;
     });
 
 // ---- failures, per transport
@@ -555,7 +537,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         rpc::TransportKind::kTensorPipe,
         rpc::TransportKind::kTcp),
-    processTransportName);
+    transportParamName);
 
 } // namespace
 } // namespace testing

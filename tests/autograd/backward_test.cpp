@@ -1,5 +1,5 @@
-// Tier 2: Note [Distributed backward] (autograd/engine/dist_engine.h) with several
-// workers in one process, over the in-process and TCP transports. Every
+// Tier 2: Note [Distributed backward] (autograd/engine/dist_engine.h) with
+// several workers in one process, over the in-process and TCP transports. Every
 // gradient is compared with plain libtorch autograd on the same program.
 
 #include <ATen/ATen.h>
@@ -13,16 +13,16 @@
 #include <thread>
 #include <vector>
 
+#include "proto/autograd/autograd.pb.h"
+#include "tests/support/autograd_zoo.h"
+#include "tests/support/local_cluster.h"
+#include "tests/support/zoo_workers.h"
 #include "torchrpc/autograd/backward.h"
 #include "torchrpc/autograd/context.h"
 #include "torchrpc/autograd/context_container.h"
 #include "torchrpc/autograd/messages.h"
-#include "proto/autograd/autograd.pb.h"
 #include "torchrpc/rref/rref.h"
 #include "torchrpc/rref/rref_context.h"
-#include "tests/support/autograd_zoo.h"
-#include "tests/support/local_cluster.h"
-#include "tests/support/zoo_workers.h"
 
 namespace torchrpc {
 namespace testing {
@@ -42,7 +42,7 @@ class ZooCluster {
     std::atomic<int> await{0};
   };
 
-  ZooCluster(TestTransport transport, int worldSize)
+  ZooCluster(rpc::TransportKind transport, int worldSize)
       : nets_(worldSize),
         sent_(makeSent(worldSize)),
         cluster_(
@@ -194,13 +194,14 @@ void runCase(ZooCluster& cluster, const zoo::Case& c) {
 // --------------------------------------------------
 
 struct ZooParam {
-  TestTransport transport;
+  rpc::TransportKind transport;
   size_t index;
 };
 
 std::vector<ZooParam> zooParams() {
   std::vector<ZooParam> params;
-  for (auto transport : {TestTransport::kInProcess, TestTransport::kTcp}) {
+  for (auto transport :
+       {rpc::TransportKind::kInProcess, rpc::TransportKind::kTcp}) {
     for (size_t i = 0; i < zoo::cases().size(); ++i) {
       params.push_back({transport, i});
     }
@@ -226,16 +227,15 @@ INSTANTIATE_TEST_SUITE_P(
     DistributedBackwardZoo,
     ::testing::ValuesIn(zooParams()),
     [](const ::testing::TestParamInfo<ZooParam>& info) {
-      return transportName(::testing::TestParamInfo<TestTransport>(
-                 info.param.transport,
-                 0)) +
-          "_" + zoo::cases().at(info.param.index).name;
+      return transportName(info.param.transport) + "_" +
+          zoo::cases().at(info.param.index).name;
     });
 
 // ---- the rest, per transport
 // --------------------------------------------------
 
-class DistributedBackward : public ::testing::TestWithParam<TestTransport> {
+class DistributedBackward
+    : public ::testing::TestWithParam<rpc::TransportKind> {
  protected:
   void SetUp() override {
     cluster_ = std::make_unique<ZooCluster>(GetParam(), 3);
@@ -306,7 +306,7 @@ TEST_P(DistributedBackward, DiscoveryRunsWhenAServerCallsOnward) {
 }
 
 TEST_P(DistributedBackward, GradientsBeforeTheAwaitWaitForIt) {
-  if (GetParam() != TestTransport::kInProcess) {
+  if (GetParam() != rpc::TransportKind::kInProcess) {
     GTEST_SKIP() << "reorders messages with the in-process fault injector";
   }
   // Every kAwait reaches the server 300 ms late, after the gradients.
@@ -324,7 +324,7 @@ TEST_P(DistributedBackward, GradientsBeforeTheAwaitWaitForIt) {
 }
 
 TEST_P(DistributedBackward, AnAwaitThatNeverComesEndsInTheDeadline) {
-  if (GetParam() != TestTransport::kInProcess) {
+  if (GetParam() != rpc::TransportKind::kInProcess) {
     GTEST_SKIP() << "drops messages with the in-process fault injector";
   }
   cluster_->actOnAwaits(rpc::FaultAction::drop());
@@ -684,8 +684,8 @@ TEST_P(DistributedBackward, ASecondPassWithoutRetainedGraphFailsClearly) {
 INSTANTIATE_TEST_SUITE_P(
     Transports,
     DistributedBackward,
-    ::testing::Values(TestTransport::kInProcess, TestTransport::kTcp),
-    transportName);
+    ::testing::Values(rpc::TransportKind::kInProcess, rpc::TransportKind::kTcp),
+    transportParamName);
 
 } // namespace
 } // namespace testing

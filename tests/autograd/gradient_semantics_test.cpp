@@ -96,7 +96,7 @@ struct AddOnePreHook : torch::autograd::FunctionPreHook {
   }
 };
 
-class GradientSemantics : public ::testing::TestWithParam<TestTransport> {
+class GradientSemantics : public ::testing::TestWithParam<rpc::TransportKind> {
  protected:
   void SetUp() override {
     auto table = table_;
@@ -358,8 +358,8 @@ TEST_P(GradientSemantics, APassEndedByReleasingItsContextNamesTheWorker) {
 INSTANTIATE_TEST_SUITE_P(
     Transports,
     GradientSemantics,
-    ::testing::Values(TestTransport::kInProcess, TestTransport::kTcp),
-    transportName);
+    ::testing::Values(rpc::TransportKind::kInProcess, rpc::TransportKind::kTcp),
+    transportParamName);
 
 } // namespace
 } // namespace testing

@@ -11,13 +11,13 @@
 #include <thread>
 #include <vector>
 
+#include "tests/support/local_cluster.h"
 #include "torchrpc/autograd/context.h"
 #include "torchrpc/autograd/context_container.h"
 #include "torchrpc/autograd/messages.h"
 #include "torchrpc/autograd/send_recv_functions.h"
 #include "torchrpc/rref/rref.h"
 #include "torchrpc/rref/rref_context.h"
-#include "tests/support/local_cluster.h"
 
 namespace torchrpc {
 namespace testing {
@@ -54,7 +54,7 @@ void registerFunctions(int rank, rpc::Runtime& rt) {
       });
 }
 
-class AutogradRecording : public ::testing::TestWithParam<TestTransport> {
+class AutogradRecording : public ::testing::TestWithParam<rpc::TransportKind> {
  protected:
   void SetUp() override {
     cluster_ = std::make_unique<LocalCluster>(
@@ -253,7 +253,7 @@ TEST_P(AutogradRecording, ALocalBackwardThroughARecvFunctionSaysWhatToDo) {
 }
 
 TEST_P(AutogradRecording, AGuardEndsWithoutWaitingForTheOtherWorkers) {
-  if (GetParam() != TestTransport::kInProcess) {
+  if (GetParam() != rpc::TransportKind::kInProcess) {
     GTEST_SKIP() << "holds messages back with the in-process fault injector";
   }
   auto x = at::ones({2}).requires_grad_();
@@ -299,8 +299,8 @@ TEST(SendFunctionFinality, GraphsLargerThanTheWalkLimitCountAsNotFinal) {
 INSTANTIATE_TEST_SUITE_P(
     Transports,
     AutogradRecording,
-    ::testing::Values(TestTransport::kInProcess, TestTransport::kTcp),
-    transportName);
+    ::testing::Values(rpc::TransportKind::kInProcess, rpc::TransportKind::kTcp),
+    transportParamName);
 
 } // namespace
 } // namespace testing

@@ -7,9 +7,9 @@
 #include <future>
 
 #include "proto/rpc/envelope.pb.h"
-#include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
-#include "torchrpc/rpc/request_scope.h"
 #include "tests/support/local_cluster.h"
+#include "torchrpc/rpc/request_scope.h"
+#include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
 
 namespace torchrpc {
 namespace {
@@ -17,7 +17,6 @@ namespace {
 using namespace std::chrono_literals;
 using rpc::ErrorCode;
 using testing::LocalCluster;
-using testing::TestTransport;
 
 // A raw connection to a worker, speaking the wire format by hand.
 class RawPeer {
@@ -91,7 +90,7 @@ void registerAdd(int, rpc::Runtime& rt) {
 }
 
 TEST(AgentInput, GarbageClosesThatConnectionOnlyAndTheWorkerKeepsServing) {
-  LocalCluster cluster(TestTransport::kInProcess, 2, nullptr, registerAdd);
+  LocalCluster cluster(rpc::TransportKind::kInProcess, 2, nullptr, registerAdd);
   RawPeer attacker(cluster, 1);
   attacker.send(std::string("\xff\xff\xff garbage \x01", 14));
   EXPECT_TRUE(attacker.waitClosed());
@@ -113,7 +112,7 @@ TEST(AgentInput, GarbageClosesThatConnectionOnlyAndTheWorkerKeepsServing) {
 }
 
 TEST(AgentInput, WrongVersionIsRefused) {
-  LocalCluster cluster(TestTransport::kInProcess, 2, nullptr, registerAdd);
+  LocalCluster cluster(rpc::TransportKind::kInProcess, 2, nullptr, registerAdd);
   RawPeer peer(cluster, 1);
   auto call = callEnvelope(1, 0, "add");
   call.set_version(99);
@@ -123,7 +122,7 @@ TEST(AgentInput, WrongVersionIsRefused) {
 }
 
 TEST(AgentInput, BadValuesAreAnsweredWithMalformedMessage) {
-  LocalCluster cluster(TestTransport::kInProcess, 2, nullptr, registerAdd);
+  LocalCluster cluster(rpc::TransportKind::kInProcess, 2, nullptr, registerAdd);
   RawPeer peer(cluster, 1);
   auto call = callEnvelope(3, 0, "add");
   call.add_values()->set_tensor_index(5); // there are no tensors
@@ -140,7 +139,7 @@ TEST(AgentInput, BadValuesAreAnsweredWithMalformedMessage) {
 }
 
 TEST(AgentInput, UnknownSenderAndUnknownKindAreAnsweredNotRun) {
-  LocalCluster cluster(TestTransport::kInProcess, 2, nullptr, registerAdd);
+  LocalCluster cluster(rpc::TransportKind::kInProcess, 2, nullptr, registerAdd);
   RawPeer peer(cluster, 1);
   auto stranger = callEnvelope(4, 99, "add");
   peer.send(stranger.SerializeAsString());
@@ -170,7 +169,7 @@ c10::intrusive_ptr<c10::ivalue::Future> noHandler(rpc::Request&&) {
 
 TEST(AgentExtensions, AnUpperLayerRegistersItsOwnMessageKind) {
   LocalCluster cluster(
-      TestTransport::kInProcess,
+      rpc::TransportKind::kInProcess,
       2,
       nullptr,
       [](int, rpc::Runtime& rt) {
@@ -213,7 +212,7 @@ TEST(AgentExtensions, HooksSeeTensorsAttachMetadataAndMayReplaceTensors) {
   std::mutex mutex;
   std::vector<std::string> seen; // metadata received, per message
   LocalCluster cluster(
-      TestTransport::kInProcess,
+      rpc::TransportKind::kInProcess,
       2,
       nullptr,
       [&](int, rpc::Runtime& rt) {
@@ -260,7 +259,7 @@ TEST(AgentExtensions, HandlersAndTheirContinuationsSeeTheRequestScope) {
   std::mutex mutex;
   std::vector<std::string> answeredFor; // per response: the request's tag
   LocalCluster cluster(
-      TestTransport::kInProcess,
+      rpc::TransportKind::kInProcess,
       2,
       nullptr,
       [&](int, rpc::Runtime& rt) {
@@ -333,7 +332,7 @@ TEST(AgentExtensions, ValueExtensionsCarryKindsTheCodecDoesNotKnow) {
     return ext;
   };
   LocalCluster cluster(
-      TestTransport::kInProcess,
+      rpc::TransportKind::kInProcess,
       2,
       nullptr,
       [&](int, rpc::Runtime& rt) {

@@ -1,5 +1,6 @@
 // Whatever arrives on a worker's listening port, the worker lives and keeps
-// serving both the peers it already talks to and new ones (TCP transport).
+// serving both the peers it already talks to and new ones. This is the
+// worker's level: a whole Runtime over the TCP transport, agent included.
 
 #include <ATen/ATen.h>
 #include <arpa/inet.h>
@@ -10,15 +11,14 @@
 
 #include <random>
 
-#include "torchrpc/rpc/transport/tcp/tcp_transport.h"
 #include "tests/support/local_cluster.h"
+#include "torchrpc/rpc/transport/tcp/tcp_transport.h"
 
 namespace torchrpc {
 namespace {
 
 using namespace std::chrono_literals;
 using testing::LocalCluster;
-using testing::TestTransport;
 
 // "tcp://127.0.0.1:port" of a worker, from the rendezvous store.
 std::string addressOf(LocalCluster& cluster, int rank) {
@@ -71,11 +71,11 @@ void registerAdd(int, rpc::Runtime& rt) {
 }
 
 // worker0 already talks to worker2; worker1 will be worker2's new peer.
-class HostilePeerTest : public ::testing::Test {
+class WorkerUnderHostilePeer : public ::testing::Test {
  protected:
   void SetUp() override {
     cluster_ = std::make_unique<LocalCluster>(
-        TestTransport::kTcp,
+        rpc::TransportKind::kTcp,
         3,
         [](int, rpc::Options& o) {
           o.sharedSecret = "job secret";
@@ -97,14 +97,14 @@ class HostilePeerTest : public ::testing::Test {
   int port_ = 0;
 };
 
-TEST_F(HostilePeerTest, RandomBytes) {
+TEST_F(WorkerUnderHostilePeer, RandomBytesLeaveTheWorkerServing) {
   RawSocket attacker(port_);
   ASSERT_TRUE(attacker.connected());
   attacker.send(randomBytes(1024, 1));
   expectWorker2StillServes();
 }
 
-TEST_F(HostilePeerTest, HugeAnnouncedLengths) {
+TEST_F(WorkerUnderHostilePeer, HugeAnnouncedLengthsLeaveTheWorkerServing) {
   // A plausible-looking header whose length fields are all 0xff.
   RawSocket attacker(port_);
   ASSERT_TRUE(attacker.connected());
@@ -112,7 +112,7 @@ TEST_F(HostilePeerTest, HugeAnnouncedLengths) {
   expectWorker2StillServes();
 }
 
-TEST_F(HostilePeerTest, ConnectThenCloseManyTimes) {
+TEST_F(WorkerUnderHostilePeer, FiftyConnectThenCloseLeaveTheWorkerServing) {
   for (int i = 0; i < 50; ++i) {
     RawSocket scanner(port_);
     ASSERT_TRUE(scanner.connected());
@@ -120,7 +120,7 @@ TEST_F(HostilePeerTest, ConnectThenCloseManyTimes) {
   expectWorker2StillServes();
 }
 
-TEST_F(HostilePeerTest, SilentConnectionsHeldOpen) {
+TEST_F(WorkerUnderHostilePeer, SilentConnectionsHeldOpenLeaveTheWorkerServing) {
   std::vector<std::unique_ptr<RawSocket>> silent;
   for (int i = 0; i < 20; ++i) {
     silent.push_back(std::make_unique<RawSocket>(port_));
@@ -130,7 +130,7 @@ TEST_F(HostilePeerTest, SilentConnectionsHeldOpen) {
   expectWorker2StillServes();
 }
 
-TEST_F(HostilePeerTest, WrongSharedSecretIsRefused) {
+TEST_F(WorkerUnderHostilePeer, WrongSharedSecretIsRefused) {
   rpc::detail::TcpTransportOptions options;
   options.name = "intruder";
   options.sharedSecret = "guessed secret";

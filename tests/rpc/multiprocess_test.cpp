@@ -12,35 +12,20 @@
 #include <string>
 #include <thread>
 
-#include "torchrpc/rpc/runtime.h"
 #include "tests/support/child_processes.h"
+#include "torchrpc/rpc/runtime.h"
 
 namespace torchrpc {
 namespace {
 
 using namespace std::chrono_literals;
 using testing::ChildProcesses;
+using testing::childWorkerOptions;
 
 std::string freshStorePath(const std::string& tag) {
   std::string path = "/tmp/torchrpc_" + tag + "_" + std::to_string(::getpid());
   std::remove(path.c_str());
   return path;
-}
-
-rpc::Options processOptions(
-    int rank,
-    int worldSize,
-    const std::string& path,
-    rpc::TransportKind transport = rpc::TransportKind::kTensorPipe) {
-  rpc::Options o;
-  o.rank = rank;
-  o.worldSize = worldSize;
-  o.initMethod = "file://" + path;
-  o.transport = transport;
-  o.rendezvousTimeout = 30s;
-  o.shutdownTimeout = 30s;
-  o.defaultTimeout = 30s;
-  return o;
 }
 
 class MultiProcessTest : public ::testing::TestWithParam<rpc::TransportKind> {};
@@ -54,7 +39,7 @@ TEST_P(MultiProcessTest, ThreeWorkersCallAroundARingAndShutDownCleanly) {
     pids.push_back(children.spawn([rank, path, transport]() {
       rpc::Runtime rt(
           "proc" + std::to_string(rank),
-          processOptions(rank, 3, path, transport));
+          childWorkerOptions(rank, 3, path, transport));
       rt.functions().add("scale", [](at::Tensor x, double f) { return x * f; });
       rt.start();
       auto x = at::arange(1000, at::kFloat) + rank;
@@ -120,7 +105,7 @@ TEST_P(MultiProcessTest, KilledPeerFailsPendingCallsPromptly) {
   ASSERT_EQ(::pipe(started), 0);
   ChildProcesses children;
   pid_t victim = children.spawn([path, started, transport]() {
-    rpc::Runtime rt("victim", processOptions(1, 2, path, transport));
+    rpc::Runtime rt("victim", childWorkerOptions(1, 2, path, transport));
     rt.functions().add("hang", [started]() {
       char byte = 1;
       (void)!::write(started[1], &byte, 1);
@@ -131,7 +116,7 @@ TEST_P(MultiProcessTest, KilledPeerFailsPendingCallsPromptly) {
     std::this_thread::sleep_for(120s); // killed long before
   });
   pid_t caller = children.spawn([path, transport]() {
-    rpc::Runtime rt("caller", processOptions(0, 2, path, transport));
+    rpc::Runtime rt("caller", childWorkerOptions(0, 2, path, transport));
     rt.start();
     auto future = rt.withTimeout(30s).rpcAsync<int64_t>("victim", "hang");
     auto begin = std::chrono::steady_clock::now();
@@ -165,7 +150,7 @@ TEST(MultiProcess, StoppedPeerIsDetectedByHeartbeatsOverTcp) {
   int started[2];
   ASSERT_EQ(::pipe(started), 0);
   auto options = [&](int rank) {
-    auto o = processOptions(rank, 2, path, rpc::TransportKind::kTcp);
+    auto o = childWorkerOptions(rank, 2, path, rpc::TransportKind::kTcp);
     o.heartbeatInterval = 200ms;
     o.peerTimeout = 1000ms;
     return o;
@@ -219,7 +204,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         rpc::TransportKind::kTensorPipe,
         rpc::TransportKind::kTcp),
-    testing::processTransportName);
+    testing::transportParamName);
 
 } // namespace
 } // namespace torchrpc

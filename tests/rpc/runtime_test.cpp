@@ -8,8 +8,8 @@
 #include <chrono>
 #include <thread>
 
-#include "torchrpc/rpc/runtime.h"
 #include "tests/support/local_cluster.h"
+#include "torchrpc/rpc/runtime.h"
 
 namespace torchrpc {
 namespace {
@@ -18,7 +18,6 @@ using namespace std::chrono_literals;
 using rpc::ErrorCode;
 using testing::expectRpcError;
 using testing::LocalCluster;
-using testing::TestTransport;
 
 at::Tensor scale(at::Tensor x, double factor) {
   return x * factor;
@@ -39,7 +38,7 @@ void registerCommon(int /*rank*/, rpc::Runtime& rt) {
   rt.functions().add("nothing", []() {});
 }
 
-class RuntimeTest : public ::testing::TestWithParam<TestTransport> {
+class RuntimeTest : public ::testing::TestWithParam<rpc::TransportKind> {
  protected:
   std::unique_ptr<LocalCluster> cluster(
       int size,
@@ -501,10 +500,10 @@ INSTANTIATE_TEST_SUITE_P(
     Transports,
     RuntimeTest,
     ::testing::Values(
-        TestTransport::kInProcess,
-        TestTransport::kTensorPipe,
-        TestTransport::kTcp),
-    testing::transportName);
+        rpc::TransportKind::kInProcess,
+        rpc::TransportKind::kTensorPipe,
+        rpc::TransportKind::kTcp),
+    testing::transportParamName);
 
 // ---- set-up errors, independent of the transport --------------------------
 

@@ -68,24 +68,9 @@ void registerFunctions(int rank, rpc::Runtime& rt) {
   // Sums every RRef[Tensor] in a list, tuple or dict.
   rt.functions().add("sum_nested", [](c10::IValue nested) {
     double total = 0;
-    auto add = [&](const c10::IValue& v) {
-      if (v.isRRef()) {
-        total += RRef<at::Tensor>::fromIValue(v).toHere().sum().item<double>();
-      }
-    };
-    if (nested.isList()) {
-      for (const auto& v : nested.toListRef()) {
-        add(v);
-      }
-    } else if (nested.isTuple()) {
-      for (const auto& v : nested.toTupleRef().elements()) {
-        add(v);
-      }
-    } else if (nested.isGenericDict()) {
-      for (const auto& entry : nested.toGenericDict()) {
-        add(entry.value());
-      }
-    }
+    forEachRRefIn(nested, [&](const c10::IValue& v) {
+      total += RRef<at::Tensor>::fromIValue(v).toHere().sum().item<double>();
+    });
     return total;
   });
   rt.functions().add("new_counter", []() {
@@ -99,7 +84,7 @@ void registerFunctions(int rank, rpc::Runtime& rt) {
       });
 }
 
-class RRefApi : public ::testing::TestWithParam<TestTransport> {
+class RRefApi : public ::testing::TestWithParam<rpc::TransportKind> {
  protected:
   void SetUp() override {
     cluster_ = std::make_unique<RRefCluster>(GetParam(), 3, &registerFunctions);
@@ -446,10 +431,10 @@ INSTANTIATE_TEST_SUITE_P(
     Transports,
     RRefApi,
     ::testing::Values(
-        TestTransport::kInProcess,
-        TestTransport::kTcp,
-        TestTransport::kTensorPipe),
-    transportName);
+        rpc::TransportKind::kInProcess,
+        rpc::TransportKind::kTcp,
+        rpc::TransportKind::kTensorPipe),
+    transportParamName);
 
 } // namespace
 } // namespace testing

@@ -287,24 +287,9 @@ void registerFunctions(torchrpc::Runtime& rt, ProcessState& state) {
   // Fetches every RRef in a list, tuple or dict, in order.
   f.add("fetch_all", [](c10::IValue nested) {
     std::vector<at::Tensor> out;
-    auto take = [&](const c10::IValue& v) {
-      if (v.isRRef()) {
-        out.push_back(RRef<at::Tensor>::fromIValue(v).toHere());
-      }
-    };
-    if (nested.isList()) {
-      for (const auto& v : nested.toListRef()) {
-        take(v);
-      }
-    } else if (nested.isTuple()) {
-      for (const auto& v : nested.toTupleRef().elements()) {
-        take(v);
-      }
-    } else if (nested.isGenericDict()) {
-      for (const auto& entry : nested.toGenericDict()) {
-        take(entry.value());
-      }
-    }
+    forEachRRefIn(nested, [&](const c10::IValue& v) {
+      out.push_back(RRef<at::Tensor>::fromIValue(v).toHere());
+    });
     return out;
   });
   // A user that is not the creator calls through the proxy.
@@ -378,23 +363,6 @@ void registerFunctions(torchrpc::Runtime& rt, ProcessState& state) {
   });
 }
 
-rpc::Options workerOptions(
-    int rank,
-    int worldSize,
-    const Paths& paths,
-    rpc::TransportKind transport) {
-  rpc::Options o;
-  o.rank = rank;
-  o.worldSize = worldSize;
-  o.initMethod = "file://" + paths.rendezvous;
-  o.transport = transport;
-  o.numWorkerThreads = 8;
-  o.rendezvousTimeout = 30s;
-  o.shutdownTimeout = 30s;
-  o.defaultTimeout = 30s;
-  return o;
-}
-
 // What a worker's body gets.
 struct Worker {
   int rank;
@@ -417,9 +385,10 @@ std::vector<pid_t> spawnWorkers(
     pids.push_back(children.spawn([=]() {
       ProcessState state;
       Coordination sync(paths.coordination, worldSize);
-      torchrpc::Runtime rt(
-          workerName(rank),
-          workerOptions(rank, worldSize, paths, transport));
+      auto options =
+          childWorkerOptions(rank, worldSize, paths.rendezvous, transport);
+      options.numWorkerThreads = 8;
+      torchrpc::Runtime rt(workerName(rank), options);
       registerFunctions(rt, state);
       rt.start();
       Worker worker{rank, worldSize, rt, sync, state};
@@ -1077,7 +1046,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         rpc::TransportKind::kTensorPipe,
         rpc::TransportKind::kTcp),
-    processTransportName);
+    transportParamName);
 
 } // namespace
 } // namespace testing

@@ -14,8 +14,8 @@
 #include <thread>
 #include <vector>
 
-#include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
 #include "tests/support/rref_cluster.h"
+#include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
 
 namespace torchrpc {
 namespace testing {
@@ -91,7 +91,7 @@ class RRefProtocol : public ::testing::Test {
  protected:
   void start(
       int worldSize,
-      TestTransport transport = TestTransport::kInProcess) {
+      rpc::TransportKind transport = rpc::TransportKind::kInProcess) {
     for (int rank = 0; rank < worldSize; ++rank) {
       workers_.holders.push_back(std::make_unique<Holder>());
     }

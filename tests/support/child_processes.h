@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/support/transport_names.h"
 #include "torchrpc/rpc/options.h"
 
 namespace torchrpc {
@@ -113,10 +114,24 @@ class ChildProcesses {
   std::vector<pid_t> pids_;
 };
 
-// Names the process-tier test instances by transport.
-inline std::string processTransportName(
-    const ::testing::TestParamInfo<rpc::TransportKind>& info) {
-  return info.param == rpc::TransportKind::kTcp ? "Tcp" : "TensorPipe";
+// The options of a forked worker: rank `rank` of `worldSize`, meeting the
+// others through the file store at `rendezvousPath`, over `transport`.
+// Rendezvous, calls and shutdown wait 30 s at most: long enough for a loaded
+// machine, short enough that a hung worker fails its test.
+inline rpc::Options childWorkerOptions(
+    int rank,
+    int worldSize,
+    const std::string& rendezvousPath,
+    rpc::TransportKind transport) {
+  rpc::Options options;
+  options.rank = rank;
+  options.worldSize = worldSize;
+  options.initMethod = "file://" + rendezvousPath;
+  options.transport = transport;
+  options.rendezvousTimeout = std::chrono::seconds(30);
+  options.shutdownTimeout = std::chrono::seconds(30);
+  options.defaultTimeout = std::chrono::seconds(30);
+  return options;
 }
 
 } // namespace testing

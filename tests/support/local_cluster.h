@@ -13,33 +13,20 @@
 #include <thread>
 #include <vector>
 
-#include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
+#include "tests/support/transport_names.h"
 #include "torchrpc/rpc/runtime.h"
+#include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
 
 namespace torchrpc {
 namespace testing {
 
-enum class TestTransport { kInProcess, kTensorPipe, kTcp };
-
-inline std::string transportName(
-    const ::testing::TestParamInfo<TestTransport>& info) {
-  switch (info.param) {
-    case TestTransport::kInProcess:
-      return "InProcess";
-    case TestTransport::kTensorPipe:
-      return "TensorPipe";
-    case TestTransport::kTcp:
-      return "Tcp";
-  }
-  return "Unknown";
-}
-
 class LocalCluster {
  public:
   // configure(rank, options) may adjust each worker's options;
-  // setup(rank, runtime) registers functions before start().
+  // setup(rank, runtime) registers functions before start(). With
+  // kInProcess the workers share the cluster's network().
   LocalCluster(
-      TestTransport transport,
+      rpc::TransportKind transport,
       int worldSize,
       std::function<void(int, rpc::Options&)> configure = nullptr,
       std::function<void(int, rpc::Runtime&)> setup = nullptr)
@@ -53,13 +40,9 @@ class LocalCluster {
       options.rendezvousTimeout = std::chrono::seconds(20);
       options.shutdownTimeout = std::chrono::seconds(20);
       options.defaultTimeout = std::chrono::seconds(20);
-      if (transport == TestTransport::kInProcess) {
-        options.transport = rpc::TransportKind::kInProcess;
+      options.transport = transport;
+      if (transport == rpc::TransportKind::kInProcess) {
         options.inProcessNetwork = network_;
-      } else if (transport == TestTransport::kTcp) {
-        options.transport = rpc::TransportKind::kTcp;
-      } else {
-        options.transport = rpc::TransportKind::kTensorPipe;
       }
       if (configure) {
         configure(rank, options);

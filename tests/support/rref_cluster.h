@@ -12,9 +12,9 @@
 #include <string>
 #include <thread>
 
+#include "tests/support/local_cluster.h"
 #include "torchrpc/rref/rref.h"
 #include "torchrpc/rref/rref_context.h"
-#include "tests/support/local_cluster.h"
 
 namespace torchrpc {
 namespace testing {
@@ -33,11 +33,35 @@ inline bool allZero(const rref::RRefCounters& c) {
       c.pendingConfirmations == 0 && c.tombstones == 0;
 }
 
+// Calls visit(element) for each element of a list or tuple, or each value
+// of a dict, that is an RRef, in order; other values are skipped.
+template <typename Visit>
+void forEachRRefIn(const c10::IValue& container, Visit&& visit) {
+  auto visitIfRRef = [&](const c10::IValue& v) {
+    if (v.isRRef()) {
+      visit(v);
+    }
+  };
+  if (container.isList()) {
+    for (const auto& v : container.toListRef()) {
+      visitIfRRef(v);
+    }
+  } else if (container.isTuple()) {
+    for (const auto& v : container.toTupleRef().elements()) {
+      visitIfRRef(v);
+    }
+  } else if (container.isGenericDict()) {
+    for (const auto& entry : container.toGenericDict()) {
+      visitIfRRef(entry.value());
+    }
+  }
+}
+
 class RRefCluster {
  public:
   // setup(rank, runtime) registers functions before start().
   RRefCluster(
-      TestTransport transport,
+      rpc::TransportKind transport,
       int worldSize,
       std::function<void(int, rpc::Runtime&)> setup = nullptr,
       std::function<void(int, rpc::Options&)> configure = nullptr)

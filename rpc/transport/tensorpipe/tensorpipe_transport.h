@@ -6,7 +6,7 @@
 
 #include "torchrpc/rpc/transport/transport.h"
 
-// NB: TensorPipe stays out of this header (see STYLE.md, section 1); the
+// NB: TensorPipe stays out of this header (CONTRIBUTING.md, "Layers"); the
 // .cpp includes it.
 
 namespace torchrpc {

@@ -1,6 +1,6 @@
-// One conformance suite for every Transport (see rpc/transport/transport.h), run over
-// the in-process transport and TensorPipe, plus tests of what only one of
-// them has (fault injection, TensorPipe channels and shm).
+// One conformance suite for every Transport (rpc/transport/transport.h), run
+// over the in-process transport, TensorPipe and TCP, plus tests of what only
+// one of them has (fault injection, TensorPipe channels and shm).
 
 #include <ATen/ATen.h>
 #include <arpa/inet.h>
@@ -21,11 +21,12 @@
 #include <thread>
 #include <vector>
 
+#include "tests/support/transport_harness.h"
+#include "tests/support/transport_names.h"
+#include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
 #include "torchrpc/rpc/transport/tcp/tcp_transport.h"
 #include "torchrpc/rpc/transport/tensorpipe/tensorpipe_transport.h"
-#include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
 #include "torchrpc/rpc/transport/transport.h"
-#include "tests/support/transport_harness.h"
 
 namespace torchrpc {
 namespace rpc {
@@ -61,45 +62,47 @@ std::vector<at::Tensor> variedTensors(bool big) {
   return tensors;
 }
 
-enum class Kind { kInProcess, kTensorPipe, kTensorPipeBasic, kTcp };
+// The transport under test. Over TensorPipe, optionally with its "basic"
+// channel only: tensor bytes then travel through the connection itself
+// rather than a channel of their own.
+struct TransportUnderTest {
+  TransportKind kind;
+  bool tensorPipeBasicChannelOnly = false;
+};
 
-std::string kindName(const testing::TestParamInfo<Kind>& info) {
-  switch (info.param) {
-    case Kind::kInProcess:
-      return "InProcess";
-    case Kind::kTensorPipe:
-      return "TensorPipe";
-    case Kind::kTensorPipeBasic:
-      return "TensorPipeBasicChannel";
-    case Kind::kTcp:
-      return "Tcp";
-  }
-  return "Unknown";
+std::string nameOf(const TransportUnderTest& t) {
+  return torchrpc::testing::transportName(t.kind) +
+      (t.tensorPipeBasicChannelOnly ? "BasicChannel" : "");
 }
 
-class TransportTest : public testing::TestWithParam<Kind> {
+void PrintTo(const TransportUnderTest& t, std::ostream* out) {
+  *out << nameOf(t);
+}
+
+class TransportTest : public ::testing::TestWithParam<TransportUnderTest> {
  protected:
   std::unique_ptr<Transport> makeTransport(
       TransportLimits limits = TransportLimits()) {
-    switch (GetParam()) {
-      case Kind::kInProcess:
+    switch (GetParam().kind) {
+      case TransportKind::kInProcess:
         return std::make_unique<InProcessTransport>(network_, limits);
-      case Kind::kTensorPipe:
-      case Kind::kTensorPipeBasic: {
+      case TransportKind::kTensorPipe: {
         detail::TensorPipeTransportOptions options;
         options.limits = limits;
         options.name = "test" + std::to_string(nextName_++);
-        if (GetParam() == Kind::kTensorPipeBasic) {
+        if (GetParam().tensorPipeBasicChannelOnly) {
           options.channels = {"basic"};
         }
         return std::make_unique<detail::TensorPipeTransport>(options);
       }
-      case Kind::kTcp: {
+      case TransportKind::kTcp: {
         detail::TcpTransportOptions options;
         options.limits = limits;
         options.name = "test" + std::to_string(nextName_++);
         return std::make_unique<detail::TcpTransport>(options);
       }
+      case TransportKind::kAuto:
+        break;
     }
     return nullptr;
   }
@@ -434,7 +437,7 @@ TEST_P(TransportTest, CloseAndJoinWithTrafficInFlight) {
 }
 
 TEST_P(TransportTest, CallbacksNeverRunOnTheCallersThread) {
-  if (GetParam() != Kind::kInProcess) {
+  if (GetParam().kind != TransportKind::kInProcess) {
     // TensorPipe lets the thread that enters a pipe run queued callbacks;
     // the TensorPipe transport calls it directly to save a thread hop.
     GTEST_SKIP() << "only the in-process transport promises this";
@@ -497,12 +500,16 @@ TEST_P(TransportTest, CallbacksNeverRunOnTheCallersThread) {
 INSTANTIATE_TEST_SUITE_P(
     AllTransports,
     TransportTest,
-    testing::Values(
-        Kind::kInProcess,
-        Kind::kTensorPipe,
-        Kind::kTensorPipeBasic,
-        Kind::kTcp),
-    kindName);
+    ::testing::Values(
+        TransportUnderTest{TransportKind::kInProcess},
+        TransportUnderTest{TransportKind::kTensorPipe},
+        TransportUnderTest{
+            TransportKind::kTensorPipe,
+            /*tensorPipeBasicChannelOnly=*/true},
+        TransportUnderTest{TransportKind::kTcp}),
+    [](const ::testing::TestParamInfo<TransportUnderTest>& info) {
+      return nameOf(info.param);
+    });
 
 // ---- In-process only: addresses and fault injection ----
 
@@ -519,7 +526,7 @@ TEST(InProcessTransport, NetworksDoNotSeeEachOther) {
   EXPECT_EQ(inbox->errors()[0].code, ErrorCode::kWorkerUnavailable);
 }
 
-class FaultInjection : public testing::Test {
+class FaultInjection : public ::testing::Test {
  protected:
   void SetUp() override {
     acceptor_ = std::make_unique<Acceptor>(server_);

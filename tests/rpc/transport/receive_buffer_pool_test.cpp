@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-#include <chrono>
 #include <cstdint>
 #include <cstring>
 
@@ -110,30 +109,6 @@ TEST(ReceiveBufferPool, BucketsWasteAtMostAQuarter) {
     EXPECT_LE(capacity, nbytes + nbytes / 4 + 64);
     EXPECT_EQ(capacity % 64, 0u);
   }
-}
-
-// Not a pass/fail check: prints what pooling buys for a 64 MiB receive.
-TEST(ReceiveBufferPool, PooledVsFreshFillTime) {
-  constexpr size_t kBytes = 64 * kMiB;
-  auto pool = ReceiveBufferPool::create();
-  at::Tensor source = at::ones({static_cast<int64_t>(kBytes)}, at::kByte);
-  auto timeFill = [&](auto allocate) {
-    double best = 1e9;
-    for (int i = 0; i < 5; ++i) {
-      auto start = std::chrono::steady_clock::now();
-      at::Tensor buffer = allocate();
-      std::memcpy(buffer.data_ptr(), source.data_ptr(), kBytes);
-      std::chrono::duration<double> took =
-          std::chrono::steady_clock::now() - start;
-      best = std::min(best, took.count());
-    }
-    return kBytes / best / 1e9;
-  };
-  double fresh = timeFill(
-      []() { return at::empty({static_cast<int64_t>(kBytes)}, at::kByte); });
-  double pooled = timeFill([&]() { return pool->allocate(kBytes); });
-  std::cout << "64 MiB allocate+fill: fresh " << fresh << " GB/s, pooled "
-            << pooled << " GB/s" << std::endl;
 }
 
 } // namespace
