@@ -17,8 +17,8 @@
 
 #include "proto/rpc/envelope.pb.h"
 #include "torchrpc/rpc/detail/spinning_thread_pool.h"
-#include "torchrpc/rpc/wire/value_codec.h"
 #include "torchrpc/rpc/request_scope.h"
+#include "torchrpc/rpc/wire/value_codec.h"
 
 namespace torchrpc {
 namespace rpc {
@@ -93,11 +93,16 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
 
   // ---- registration ------------------------------------------------------
 
-  void registerHandler(uint32_t kind, std::string name, RequestHandler h) {
+  void registerHandler(
+      uint32_t kind,
+      std::string name,
+      RequestHandler h,
+      RequestLabel label) {
     TORCH_CHECK(!listening_, "handlers must be registered before start()");
     TORCH_CHECK(h, "handler for message kind ", kind, " is empty");
     bool inserted =
-        handlers_.emplace(kind, HandlerEntry{std::move(name), std::move(h)})
+        handlers_
+            .emplace(kind, HandlerEntry{std::move(name), std::move(h), label})
             .second;
     TORCH_CHECK(inserted, "message kind ", kind, " is already registered");
   }
@@ -409,12 +414,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     }
     const WorkerInfo* from = find(WorkerRef(envelope.from_worker()));
     auto handler = handlers_.find(envelope.kind());
-    std::string what = handler == handlers_.end()
-        ? "message kind " + std::to_string(envelope.kind())
-        : handler->second.name;
-    if (envelope.kind() == kCallMessageKind) {
-      what = envelope.body();
-    }
+    std::string what = labelOf(handler, envelope);
     if (from == nullptr) {
       malformedMessages_.fetch_add(1);
       replyError(
@@ -670,7 +670,20 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
   struct HandlerEntry {
     std::string name;
     RequestHandler handler;
+    RequestLabel label;
   };
+  using HandlerMap = std::unordered_map<uint32_t, HandlerEntry>;
+
+  // What errors call a request; see RequestLabel.
+  std::string labelOf(
+      HandlerMap::const_iterator handler,
+      const wire::Envelope& envelope) const {
+    if (handler == handlers_.end()) {
+      return "message kind " + std::to_string(envelope.kind());
+    }
+    return handler->second.label == RequestLabel::kBody ? envelope.body()
+                                                        : handler->second.name;
+  }
 
   using PendingMap = std::unordered_map<uint64_t, PendingCall>;
 
@@ -1064,7 +1077,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
   std::unique_ptr<Transport> transport_;
 
   // Written before listen(), read-only afterwards.
-  std::unordered_map<uint32_t, HandlerEntry> handlers_;
+  HandlerMap handlers_;
   std::vector<MessageHook> hooks_;
   std::vector<ValueExtension> extensions_;
   std::atomic<bool> listening_{false};
@@ -1131,8 +1144,9 @@ const WorkerInfo& Agent::self() const {
 void Agent::registerHandler(
     uint32_t kind,
     std::string name,
-    RequestHandler handler) {
-  impl_->registerHandler(kind, std::move(name), std::move(handler));
+    RequestHandler handler,
+    RequestLabel label) {
+  impl_->registerHandler(kind, std::move(name), std::move(handler), label);
 }
 
 void Agent::addHook(MessageHook hook) {
