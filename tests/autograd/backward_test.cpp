@@ -1,5 +1,5 @@
-// Tier 2: Note [Distributed backward] (autograd/engine/dist_engine.h) with several
-// workers in one process, over the in-process and TCP transports. Every
+// Tier 2: Note [Distributed backward] (autograd/engine/dist_engine.h) with
+// several workers in one process, over the in-process and TCP transports. Every
 // gradient is compared with plain libtorch autograd on the same program.
 
 #include <ATen/ATen.h>
@@ -13,15 +13,16 @@
 #include <thread>
 #include <vector>
 
-#include "torchrpc/autograd/backward.h"
-#include "torchrpc/autograd/context.h"
-#include "torchrpc/autograd/context_container.h"
 #include "proto/autograd/autograd.pb.h"
-#include "torchrpc/rref/rref.h"
-#include "torchrpc/rref/rref_context.h"
 #include "tests/support/autograd_zoo.h"
 #include "tests/support/local_cluster.h"
 #include "tests/support/zoo_workers.h"
+#include "torchrpc/autograd/backward.h"
+#include "torchrpc/autograd/context.h"
+#include "torchrpc/autograd/context_container.h"
+#include "torchrpc/rpc/wire/envelope.h"
+#include "torchrpc/rref/rref.h"
+#include "torchrpc/rref/rref_context.h"
 
 namespace torchrpc {
 namespace testing {

@@ -11,12 +11,13 @@
 #include <thread>
 #include <vector>
 
+#include "tests/support/local_cluster.h"
 #include "torchrpc/autograd/context.h"
 #include "torchrpc/autograd/context_container.h"
 #include "torchrpc/autograd/send_recv_functions.h"
+#include "torchrpc/rpc/wire/envelope.h"
 #include "torchrpc/rref/rref.h"
 #include "torchrpc/rref/rref_context.h"
-#include "tests/support/local_cluster.h"
 
 namespace torchrpc {
 namespace testing {

@@ -14,8 +14,9 @@
 #include <thread>
 #include <vector>
 
-#include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
 #include "tests/support/rref_cluster.h"
+#include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
+#include "torchrpc/rpc/wire/envelope.h"
 
 namespace torchrpc {
 namespace testing {

@@ -10,9 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "proto/rpc/envelope.pb.h"
 #include "torchrpc/rpc/transport/receive_buffer_pool.h"
-#include "torchrpc/rpc/wire/value_codec.h"
 
 namespace torchrpc {
 namespace rpc {
@@ -612,18 +610,6 @@ void InProcessNetwork::setFaultInjector(FaultInjector injector) {
   }
   std::lock_guard<std::mutex> lock(mutex_);
   faultInjector_ = std::move(shared);
-}
-
-std::optional<MessageSummary> summarizeMessage(const Message& message) {
-  wire::Envelope envelope;
-  if (!detail::parseEnvelope(message.header, &envelope)) {
-    return std::nullopt;
-  }
-  MessageSummary summary;
-  summary.kind = envelope.kind();
-  summary.isResponse = envelope.is_response();
-  summary.id = envelope.id();
-  return summary;
 }
 
 std::string InProcessNetwork::allocateAddress() {

@@ -6,7 +6,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <string>
 
 #include "torchrpc/rpc/transport/transport.h"
@@ -59,16 +58,6 @@ struct FaultAction {
     return FaultAction{Kind::kFailConnection, std::chrono::milliseconds(0)};
   }
 };
-
-// What a fault injector may want to know of a message the agent sent: its
-// message kind, whether it is a response, and its id. nullopt for a header
-// that is not an envelope.
-struct MessageSummary {
-  uint32_t kind = 0;
-  bool isResponse = false;
-  uint64_t id = 0;
-};
-std::optional<MessageSummary> summarizeMessage(const Message& message);
 
 // The "wire" that InProcessTransports of one job share: it allocates their
 // addresses ("inproc://N") and routes connect() to listeners. Create one per
