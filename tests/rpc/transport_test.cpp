@@ -1,6 +1,6 @@
-// One conformance suite for every Transport (see rpc/transport/transport.h), run over
-// the in-process transport and TensorPipe, plus tests of what only one of
-// them has (fault injection, TensorPipe channels and shm).
+// One conformance suite for every Transport (see rpc/transport/transport.h),
+// run over the in-process transport and TensorPipe, plus tests of what only one
+// of them has (fault injection, TensorPipe channels and shm).
 
 #include <ATen/ATen.h>
 #include <arpa/inet.h>
@@ -21,11 +21,12 @@
 #include <thread>
 #include <vector>
 
+#include "tests/support/transport_harness.h"
+#include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
+#include "torchrpc/rpc/transport/inprocess/network.h"
 #include "torchrpc/rpc/transport/tcp/tcp_transport.h"
 #include "torchrpc/rpc/transport/tensorpipe/tensorpipe_transport.h"
-#include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
 #include "torchrpc/rpc/transport/transport.h"
-#include "tests/support/transport_harness.h"
 
 namespace torchrpc {
 namespace rpc {
