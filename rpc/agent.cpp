@@ -800,7 +800,13 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     });
   }
 
+  // The loop of the ...FromLoop methods: the timer thread.
+  bool inTimerLoop() {
+    return timerContext_.get_executor().running_in_this_thread();
+  }
+
   void armTimerFromLoop() {
+    TORCH_INTERNAL_ASSERT_DEBUG_ONLY(inTimerLoop(), "not on the timer thread");
     Clock::time_point next;
     {
       std::lock_guard<std::mutex> guard(mutex_);
@@ -824,6 +830,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
   }
 
   void expireFromLoop() {
+    TORCH_INTERNAL_ASSERT_DEBUG_ONLY(inTimerLoop(), "not on the timer thread");
     std::vector<PendingCall> expired;
     std::vector<uint64_t> expiredIds;
     auto now = Clock::now();
