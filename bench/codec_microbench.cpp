@@ -7,6 +7,7 @@
 #include <benchmark/benchmark.h>
 
 #include "proto/rpc/envelope.pb.h"
+#include "torchrpc/rpc/wire/envelope.h"
 #include "torchrpc/rpc/wire/value_codec.h"
 
 namespace {

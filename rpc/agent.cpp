@@ -17,21 +17,22 @@
 
 #include "proto/rpc/envelope.pb.h"
 #include "torchrpc/rpc/detail/spinning_thread_pool.h"
-#include "torchrpc/rpc/wire/value_codec.h"
 #include "torchrpc/rpc/request_scope.h"
+#include "torchrpc/rpc/wire/envelope.h"
 
 namespace torchrpc {
 namespace rpc {
 
 namespace {
 
-// Bumped on incompatible changes of the envelope; see Note [Wire format].
-constexpr uint32_t kWireVersion = 1;
-
 using Clock = std::chrono::steady_clock;
 
-const DeviceMap* mapOrNull(const DeviceMap& map) {
-  return map.empty() ? nullptr : &map;
+// The device map towards `peer`, or nullptr for CPU only.
+const DeviceMap* mapFor(
+    const std::unordered_map<int64_t, DeviceMap>& maps,
+    int64_t peer) {
+  auto it = maps.find(peer);
+  return it == maps.end() || it->second.empty() ? nullptr : &it->second;
 }
 
 } // namespace
@@ -72,6 +73,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       : self_(std::move(self)),
         options_(options),
         transport_(std::move(transport)),
+        codec_(self_, options),
         pool_(
             std::max<size_t>(1, options.numWorkerThreads),
             options.spinAfterWork),
@@ -93,45 +95,29 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
 
   // ---- registration ------------------------------------------------------
 
-  void registerHandler(uint32_t kind, std::string name, RequestHandler h) {
+  void registerHandler(
+      uint32_t kind,
+      std::string name,
+      RequestHandler h,
+      RequestLabel label) {
     TORCH_CHECK(!listening_, "handlers must be registered before start()");
     TORCH_CHECK(h, "handler for message kind ", kind, " is empty");
     bool inserted =
-        handlers_.emplace(kind, HandlerEntry{std::move(name), std::move(h)})
+        handlers_
+            .emplace(kind, HandlerEntry{std::move(name), std::move(h), label})
             .second;
     TORCH_CHECK(inserted, "message kind ", kind, " is already registered");
   }
 
+  // The codec refuses duplicates; registration closes once the agent listens.
   void addHook(MessageHook hook) {
-    addUnique(hooks_, std::move(hook), &MessageHook::name, "hook");
+    TORCH_CHECK(!listening_, "hooks must be added before start()");
+    codec_.addHook(std::move(hook));
   }
 
   void addValueExtension(ValueExtension extension) {
-    addUnique(
-        extensions_,
-        std::move(extension),
-        &ValueExtension::kind,
-        "value extension");
-  }
-
-  // Registration is closed once the agent listens; names must be unique.
-  template <typename T>
-  void addUnique(
-      std::vector<T>& entries,
-      T entry,
-      std::string T::*key,
-      const char* what) {
-    TORCH_CHECK(!listening_, what, "s must be added before start()");
-    for (const auto& existing : entries) {
-      TORCH_CHECK(
-          existing.*key != entry.*key,
-          "a ",
-          what,
-          " named '",
-          entry.*key,
-          "' is already added");
-    }
-    entries.push_back(std::move(entry));
+    TORCH_CHECK(!listening_, "value extensions must be added before start()");
+    codec_.addValueExtension(std::move(extension));
   }
 
   // ---- start-up ----------------------------------------------------------
@@ -226,7 +212,11 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     // Errors raised before the message exists carry message id 0: nothing
     // was sent (an upper layer may rely on that).
     try {
-      message = encodeRequest(*peer, id, request);
+      message = codec_.encodeRequest(
+          *peer,
+          id,
+          request,
+          mapFor(requestMaps_, peer->id));
     } catch (const RpcError& e) {
       future->setError(
           makeRpcError(e.code(), peer->name, request.what, 0, e.detail()));
@@ -341,10 +331,18 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       const std::shared_ptr<AgentConnection>& conn,
       Message&& message) {
     auto envelope = std::make_shared<wire::Envelope>();
-    bool decoded = message.header.size() <= options_.maxHeaderBytes &&
-        detail::parseEnvelope(message.header, envelope.get()) &&
-        envelope->version() == kWireVersion;
-    if (decoded && envelope->is_response() &&
+    try {
+      codec_.parse(message.header, envelope.get());
+    } catch (const RpcError& e) {
+      std::weak_ptr<AgentImpl> weak = shared_from_this();
+      pool_.run([weak, conn, reason = e.detail()]() {
+        if (auto self = weak.lock()) {
+          self->onUndecodableMessage(conn, reason);
+        }
+      });
+      return;
+    }
+    if (envelope->is_response() &&
         completesOnTransportThread(conn, envelope->id())) {
       onResponse(conn, *envelope, std::move(message.tensors));
       return;
@@ -352,14 +350,12 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     auto tensors =
         std::make_shared<std::vector<at::Tensor>>(std::move(message.tensors));
     std::weak_ptr<AgentImpl> weak = shared_from_this();
-    pool_.run([weak, conn, envelope, tensors, decoded]() {
+    pool_.run([weak, conn, envelope, tensors]() {
       auto self = weak.lock();
       if (!self) {
         return;
       }
-      if (!decoded) {
-        self->onUndecodableMessage(conn);
-      } else if (envelope->is_response()) {
+      if (envelope->is_response()) {
         self->onResponse(conn, *envelope, std::move(*tensors));
       } else {
         self->onRequest(conn, *envelope, std::move(*tensors));
@@ -376,13 +372,15 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
         it->second.completeOnTransportThread;
   }
 
-  void onUndecodableMessage(const std::shared_ptr<AgentConnection>& conn) {
-    // Nothing on this connection can be trusted any more; see STYLE.md on
+  void onUndecodableMessage(
+      const std::shared_ptr<AgentConnection>& conn,
+      const std::string& reason) {
+    // Nothing on this connection can be trusted any more; see CONTRIBUTING.md,
     // errors: close this one pipe, keep serving everyone else.
     malformedMessages_.fetch_add(1);
     LOG(WARNING) << self_.name << ": closing connection from "
                  << conn->connection->describe()
-                 << ": message header does not decode";
+                 << ": message header does not decode: " << reason;
     conn->connection->close();
   }
 
@@ -390,7 +388,6 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       const std::shared_ptr<AgentConnection>& conn,
       const wire::Envelope& envelope,
       std::vector<at::Tensor>&& tensors) {
-    uint64_t id = envelope.id();
     if (conn->outgoing) {
       // Our outgoing connections carry responses only.
       malformedMessages_.fetch_add(1);
@@ -401,7 +398,6 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       replyError(
           conn,
           envelope,
-          nullptr,
           ErrorCode::kShuttingDown,
           "",
           "the callee never finished starting");
@@ -409,18 +405,12 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     }
     const WorkerInfo* from = find(WorkerRef(envelope.from_worker()));
     auto handler = handlers_.find(envelope.kind());
-    std::string what = handler == handlers_.end()
-        ? "message kind " + std::to_string(envelope.kind())
-        : handler->second.name;
-    if (envelope.kind() == kCallMessageKind) {
-      what = envelope.body();
-    }
+    std::string what = labelOf(handler, envelope);
     if (from == nullptr) {
       malformedMessages_.fetch_add(1);
       replyError(
           conn,
           envelope,
-          nullptr,
           ErrorCode::kMalformedMessage,
           what,
           "request from unknown worker id " +
@@ -431,62 +421,25 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       replyError(
           conn,
           envelope,
-          from,
           ErrorCode::kUnknownFunction,
           what,
           "no handler for message kind " + std::to_string(envelope.kind()));
       return;
     }
-
-    Request request;
-    request.from = *from;
-    request.id = id;
-    request.kind = envelope.kind();
+    detail::DecodedRequest decoded;
     try {
-      request.values =
-          decodeValues(*from, envelope, std::move(tensors), /*response=*/false);
+      decoded = codec_.decodeRequest(*from, envelope, std::move(tensors));
     } catch (const std::exception& e) {
       malformedMessages_.fetch_add(1);
       replyError(
           conn,
           envelope,
-          from,
           ErrorCode::kMalformedMessage,
           what,
           describeException(std::current_exception()));
       return;
     }
-    request.body = envelope.body();
-
-    c10::intrusive_ptr<c10::ivalue::Future> result;
-    std::shared_ptr<const RequestScope> scope;
-    if (envelope.metadata_size() > 0) {
-      auto filled = std::make_shared<RequestScope>();
-      filled->from = *from;
-      filled->messageId = id;
-      filled->kind = envelope.kind();
-      filled->metadata.insert(
-          envelope.metadata().begin(),
-          envelope.metadata().end());
-      scope = std::move(filled);
-    }
-    try {
-      RequestScopeGuard inScope(scope);
-      result = handler->second.handler(std::move(request));
-    } catch (...) {
-      result = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
-      result->setError(std::current_exception());
-    }
-    ++requestsServed_;
-    std::weak_ptr<AgentImpl> weak = shared_from_this();
-    int64_t fromId = from->id;
-    uint32_t kind = envelope.kind();
-    result->addCallback(
-        [weak, conn, id, kind, fromId, what, scope](c10::ivalue::Future& done) {
-          if (auto self = weak.lock()) {
-            self->reply(conn, id, kind, fromId, what, done, scope.get());
-          }
-        });
+    serve(conn, handler->second, std::move(decoded), std::move(what));
   }
 
   void onResponse(
@@ -505,36 +458,19 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       eraseLocked(it);
     }
     Completing completing(*this, 1);
-    const auto& status = envelope.status();
-    if (status.code() != 0) {
-      auto code = static_cast<ErrorCode>(status.code());
-      if (status.code() > static_cast<uint32_t>(ErrorCode::kInternal)) {
-        code = ErrorCode::kRemoteException;
-      }
-      call.future->setError(makeRpcError(
-          code,
-          status.worker().empty() ? call.peerName : status.worker(),
-          status.function().empty() ? call.what : status.function(),
-          envelope.id(),
-          status.message()));
+    if (auto error = detail::MessageCodec::statusToError(
+            envelope,
+            call.peerName,
+            call.what)) {
+      call.future->setError(std::move(error));
       return;
     }
     c10::IValue value;
     try {
-      const WorkerInfo& peer = workers_.at(conn->peer);
-      auto values =
-          decodeValues(peer, envelope, std::move(tensors), /*response=*/true);
-      if (values.size() > 1) {
-        throw RpcError(
-            ErrorCode::kMalformedMessage,
-            "",
-            "",
-            0,
-            "a response carries at most one value");
-      }
-      if (!values.empty()) {
-        value = std::move(values[0]);
-      }
+      value = codec_.decodeResponse(
+          workers_.at(conn->peer),
+          envelope,
+          std::move(tensors));
     } catch (...) {
       malformedMessages_.fetch_add(1);
       call.future->setError(makeRpcError(
@@ -670,7 +606,50 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
   struct HandlerEntry {
     std::string name;
     RequestHandler handler;
+    RequestLabel label;
   };
+  using HandlerMap = std::unordered_map<uint32_t, HandlerEntry>;
+
+  // What errors call a request; see RequestLabel.
+  std::string labelOf(
+      HandlerMap::const_iterator handler,
+      const wire::Envelope& envelope) const {
+    if (handler == handlers_.end()) {
+      return "message kind " + std::to_string(envelope.kind());
+    }
+    return handler->second.label == RequestLabel::kBody ? envelope.body()
+                                                        : handler->second.name;
+  }
+
+  // Runs the handler inside the request's scope and replies once the
+  // handler's future completes.
+  void serve(
+      const std::shared_ptr<AgentConnection>& conn,
+      const HandlerEntry& handler,
+      detail::DecodedRequest&& decoded,
+      std::string what) {
+    uint64_t id = decoded.request.id;
+    uint32_t kind = decoded.request.kind;
+    int64_t fromId = decoded.request.from.id;
+    std::shared_ptr<const RequestScope> scope = std::move(decoded.scope);
+    c10::intrusive_ptr<c10::ivalue::Future> result;
+    try {
+      RequestScopeGuard inScope(scope);
+      result = handler.handler(std::move(decoded.request));
+    } catch (...) {
+      result = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+      result->setError(std::current_exception());
+    }
+    ++requestsServed_;
+    std::weak_ptr<AgentImpl> weak = shared_from_this();
+    result->addCallback(
+        [weak, conn, id, kind, fromId, what = std::move(what), scope](
+            c10::ivalue::Future& done) {
+          if (auto self = weak.lock()) {
+            self->reply(conn, id, kind, fromId, what, done, scope.get());
+          }
+        });
+  }
 
   using PendingMap = std::unordered_map<uint64_t, PendingCall>;
 
@@ -767,133 +746,6 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     return state;
   }
 
-  // ---- encoding ----------------------------------------------------------
-
-  Message encodeMessage(
-      wire::Envelope& envelope,
-      const WorkerInfo& peer,
-      const std::vector<c10::IValue>& values,
-      const DeviceMap* deviceMap,
-      const RequestScope* request = nullptr) {
-    detail::ValueEncoder encoder(peer.id, deviceMap, &extensions_);
-    for (const auto& value : values) {
-      encoder.encode(value, envelope.add_values());
-    }
-    Message message;
-    std::vector<at::Tensor> originals;
-    if (!hooks_.empty()) {
-      originals = encoder.originalTensors();
-    }
-    message.tensors = std::move(encoder).finish(&envelope);
-    if (!hooks_.empty()) {
-      HookContext context{
-          peer,
-          envelope.kind(),
-          envelope.id(),
-          envelope.is_response(),
-          request};
-      for (const auto& hook : hooks_) {
-        if (!hook.onSend) {
-          continue;
-        }
-        std::string metadata;
-        hook.onSend(context, originals, &metadata);
-        if (!metadata.empty()) {
-          (*envelope.mutable_metadata())[hook.name] = std::move(metadata);
-        }
-      }
-    }
-    size_t total = 0;
-    for (const auto& tensor : message.tensors) {
-      total += tensor.nbytes();
-    }
-    if (message.tensors.size() > options_.maxTensorsPerMessage) {
-      throw RpcError(
-          ErrorCode::kTooLarge,
-          "",
-          "",
-          0,
-          "message has " + std::to_string(message.tensors.size()) +
-              " tensors, the cap is " +
-              std::to_string(options_.maxTensorsPerMessage));
-    }
-    message.header = envelope.SerializeAsString();
-    total += message.header.size();
-    if (message.header.size() > options_.maxHeaderBytes ||
-        total > options_.maxMessageBytes) {
-      throw RpcError(
-          ErrorCode::kTooLarge,
-          "",
-          "",
-          0,
-          "message of " + std::to_string(total) + " bytes exceeds the cap (" +
-              std::to_string(options_.maxMessageBytes) + " bytes, header " +
-              std::to_string(options_.maxHeaderBytes) + ")");
-    }
-    return message;
-  }
-
-  Message encodeRequest(
-      const WorkerInfo& peer,
-      uint64_t id,
-      const OutgoingRequest& request) {
-    wire::Envelope envelope;
-    envelope.set_version(kWireVersion);
-    envelope.set_id(id);
-    envelope.set_kind(request.kind);
-    envelope.set_from_worker(self_.id);
-    envelope.set_timeout_ms(request.timeout.count());
-    envelope.set_body(request.body);
-    auto map = requestMaps_.find(peer.id);
-    return encodeMessage(
-        envelope,
-        peer,
-        request.values,
-        map == requestMaps_.end() ? nullptr : mapOrNull(map->second));
-  }
-
-  std::vector<c10::IValue> decodeValues(
-      const WorkerInfo& peer,
-      const wire::Envelope& envelope,
-      std::vector<at::Tensor>&& tensors,
-      bool response) {
-    detail::ValueDecoder decoder(
-        peer.id,
-        envelope,
-        std::move(tensors),
-        &extensions_);
-    if (!hooks_.empty()) {
-      HookContext context{
-          peer,
-          envelope.kind(),
-          envelope.id(),
-          response,
-          nullptr};
-      size_t count = decoder.tensors().size();
-      for (const auto& hook : hooks_) {
-        if (!hook.onReceive) {
-          continue;
-        }
-        auto it = envelope.metadata().find(hook.name);
-        hook.onReceive(
-            context,
-            decoder.tensors(),
-            it == envelope.metadata().end() ? nullptr : &it->second);
-        TORCH_CHECK(
-            decoder.tensors().size() == count,
-            "hook '",
-            hook.name,
-            "' changed the number of tensors");
-      }
-    }
-    std::vector<c10::IValue> values;
-    values.reserve(envelope.values_size());
-    for (const auto& value : envelope.values()) {
-      values.push_back(decoder.decode(value));
-    }
-    return values;
-  }
-
   // ---- replying ----------------------------------------------------------
 
   void reply(
@@ -904,84 +756,31 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       const std::string& what,
       c10::ivalue::Future& done,
       const RequestScope* request) {
-    wire::Envelope envelope;
-    envelope.set_version(kWireVersion);
-    envelope.set_id(id);
-    envelope.set_kind(kind);
-    envelope.set_is_response(true);
-    envelope.set_from_worker(self_.id);
-    const WorkerInfo& peer = workers_.at(fromId);
-    Message message;
-    if (done.hasError()) {
-      fillStatus(envelope, done.exception_ptr(), what);
-      message.header = envelope.SerializeAsString();
-    } else {
-      try {
-        auto map = responseMaps_.find(fromId);
-        message = encodeMessage(
-            envelope,
-            peer,
-            {done.value()},
-            map == responseMaps_.end() ? nullptr : mapOrNull(map->second),
-            request);
-      } catch (...) {
-        wire::Envelope failure;
-        failure.set_version(kWireVersion);
-        failure.set_id(id);
-        failure.set_kind(kind);
-        failure.set_is_response(true);
-        failure.set_from_worker(self_.id);
-        fillStatus(failure, std::current_exception(), what);
-        message = Message();
-        message.header = failure.SerializeAsString();
-      }
-    }
+    Message message = codec_.encodeResponse(
+        workers_.at(fromId),
+        id,
+        kind,
+        done,
+        what,
+        mapFor(responseMaps_, fromId),
+        request);
     conn->connection->send(std::move(message), [](const TransportError*) {
       // The caller learns of a lost reply through its own connection.
     });
   }
 
-  void fillStatus(
-      wire::Envelope& envelope,
-      const std::exception_ptr& error,
-      const std::string& what) {
-    auto* status = envelope.mutable_status();
-    try {
-      std::rethrow_exception(error);
-    } catch (const RpcError& e) {
-      status->set_code(static_cast<uint32_t>(e.code()));
-      status->set_message(e.detail());
-      status->set_worker(e.worker().empty() ? self_.name : e.worker());
-      status->set_function(e.function().empty() ? what : e.function());
-      return;
-    } catch (...) {
-    }
-    status->set_code(static_cast<uint32_t>(ErrorCode::kRemoteException));
-    status->set_message(describeException(error));
-    status->set_worker(self_.name);
-    status->set_function(what);
-  }
-
+  // Answers a request that never reached a handler.
   void replyError(
       const std::shared_ptr<AgentConnection>& conn,
       const wire::Envelope& request,
-      const WorkerInfo* from,
       ErrorCode code,
       const std::string& what,
       const std::string& detail) {
-    wire::Envelope envelope;
-    envelope.set_version(kWireVersion);
-    envelope.set_id(request.id());
-    envelope.set_kind(request.kind());
-    envelope.set_is_response(true);
-    envelope.set_from_worker(self_.id);
-    auto* status = envelope.mutable_status();
-    status->set_code(static_cast<uint32_t>(code));
-    status->set_message(detail);
-    status->set_worker(self_.name);
-    status->set_function(what);
-    Message message;
-    message.header = envelope.SerializeAsString();
+    Message message = codec_.encodeError(
+        request.id(),
+        request.kind(),
+        makeRpcError(code, "", what, 0, detail),
+        what);
     conn->connection->send(std::move(message), [](const TransportError*) {});
   }
 
@@ -1001,7 +800,13 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     });
   }
 
+  // The loop of the ...FromLoop methods: the timer thread.
+  bool inTimerLoop() {
+    return timerContext_.get_executor().running_in_this_thread();
+  }
+
   void armTimerFromLoop() {
+    TORCH_INTERNAL_ASSERT_DEBUG_ONLY(inTimerLoop(), "not on the timer thread");
     Clock::time_point next;
     {
       std::lock_guard<std::mutex> guard(mutex_);
@@ -1025,6 +830,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
   }
 
   void expireFromLoop() {
+    TORCH_INTERNAL_ASSERT_DEBUG_ONLY(inTimerLoop(), "not on the timer thread");
     std::vector<PendingCall> expired;
     std::vector<uint64_t> expiredIds;
     auto now = Clock::now();
@@ -1062,11 +868,11 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
   const WorkerInfo self_;
   const Options options_;
   std::unique_ptr<Transport> transport_;
+  // Hooks and extensions are added before listen(); read-only afterwards.
+  detail::MessageCodec codec_;
 
   // Written before listen(), read-only afterwards.
-  std::unordered_map<uint32_t, HandlerEntry> handlers_;
-  std::vector<MessageHook> hooks_;
-  std::vector<ValueExtension> extensions_;
+  HandlerMap handlers_;
   std::atomic<bool> listening_{false};
 
   // Written once by setWorkers() before workersReady_ is set.
@@ -1131,8 +937,9 @@ const WorkerInfo& Agent::self() const {
 void Agent::registerHandler(
     uint32_t kind,
     std::string name,
-    RequestHandler handler) {
-  impl_->registerHandler(kind, std::move(name), std::move(handler));
+    RequestHandler handler,
+    RequestLabel label) {
+  impl_->registerHandler(kind, std::move(name), std::move(handler), label);
 }
 
 void Agent::addHook(MessageHook hook) {

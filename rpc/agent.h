@@ -60,8 +60,13 @@ class Agent {
   const WorkerInfo& self() const;
 
   // Registration; only before start(). Throws c10::Error for a duplicate
-  // kind, hook name or extension kind.
-  void registerHandler(uint32_t kind, std::string name, RequestHandler handler);
+  // kind, hook name or extension kind. `label` says how errors name a
+  // request of this kind.
+  void registerHandler(
+      uint32_t kind,
+      std::string name,
+      RequestHandler handler,
+      RequestLabel label = RequestLabel::kHandlerName);
   void addHook(MessageHook hook);
   void addValueExtension(ValueExtension extension);
 

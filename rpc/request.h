@@ -40,6 +40,16 @@ struct Request {
 using RequestHandler =
     std::function<c10::intrusive_ptr<c10::ivalue::Future>(Request&&)>;
 
+// How the callee names a request of a kind in errors (RpcError::function)
+// and logs; the caller names it with OutgoingRequest::what.
+enum class RequestLabel {
+  // The name the handler was registered under.
+  kHandlerName,
+  // The request's body, for kinds whose body names the operation (a call's
+  // body is its function name).
+  kBody,
+};
+
 // A request to send.
 struct OutgoingRequest {
   uint32_t kind = kCallMessageKind;

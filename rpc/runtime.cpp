@@ -7,9 +7,9 @@
 
 #include "torchrpc/rpc/detail/call_handler.h"
 #include "torchrpc/rpc/detail/rendezvous.h"
+#include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
 #include "torchrpc/rpc/transport/tcp/tcp_transport.h"
 #include "torchrpc/rpc/transport/tensorpipe/tensorpipe_transport.h"
-#include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
 
 namespace torchrpc {
 namespace rpc {
@@ -130,7 +130,8 @@ void Runtime::registerCallHandler() {
       detail::makeCallHandler(
           functions_,
           self_.name,
-          options_.allowBuiltinOperators));
+          options_.allowBuiltinOperators),
+      RequestLabel::kBody);
 }
 
 void Runtime::addLayer(std::shared_ptr<RuntimeLayer> layer) {

@@ -1,7 +1,5 @@
 #include "torchrpc/rpc/wire/value_codec.h"
 
-#include <google/protobuf/io/coded_stream.h>
-
 #include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>
@@ -965,18 +963,6 @@ c10::IValue ValueDecoder::decodeAt(const wire::Value& value, int depth) {
       break;
   }
   throwMalformed("value has no kind set");
-}
-
-bool parseEnvelope(const std::string& bytes, wire::Envelope* envelope) {
-  if (bytes.size() > static_cast<size_t>(std::numeric_limits<int>::max())) {
-    return false;
-  }
-  google::protobuf::io::CodedInputStream input(
-      reinterpret_cast<const uint8_t*>(bytes.data()),
-      static_cast<int>(bytes.size()));
-  input.SetRecursionLimit(4 * kMaxValueDepth + 8);
-  return envelope->ParseFromCodedStream(&input) &&
-      input.ConsumedEntireMessage();
 }
 
 } // namespace detail

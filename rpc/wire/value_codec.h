@@ -1,6 +1,7 @@
 #pragma once
 
-// Private: includes the generated protobuf code. See Note [Wire format].
+// Private: includes the generated protobuf code. The values of a message;
+// see Note [Wire format] in rpc/wire/envelope.h.
 
 #include <ATen/core/ivalue.h>
 
@@ -16,30 +17,8 @@ namespace torchrpc {
 namespace rpc {
 namespace detail {
 
-// Note [Wire format]
-// ~~~~~~~~~~~~~~~~~~
-// Every message is one protobuf Envelope (the transport's header) plus a list
-// of tensors whose bytes travel out of band. Values are c10::IValues encoded
-// as a `wire::Value` tree; a tensor is encoded as an index into the envelope's
-// tensor descriptors, and descriptor i describes the transport's tensor i.
-//
-// Guarantees:
-//  1. A value round-trips exactly: kind, container element types (also of
-//     empty containers), tensor dtype, shape, values and requires_grad.
-//  2. Only the bytes a tensor covers travel: a contiguous view sends its own
-//     range, a non-contiguous tensor is compacted first.
-//  3. Decoding never trusts the peer: every index, dtype, size, nesting depth
-//     and byte count is checked before use, and any violation throws
-//     RpcError(kMalformedMessage) without crashing or over-allocating.
-//  4. Nothing is executed while decoding; extensions only rebuild values.
-
 // Nesting deeper than this is refused (both ways).
 constexpr int kMaxValueDepth = 64;
-
-// Parses an envelope with a nesting limit that fits kMaxValueDepth (each
-// value level takes up to four protobuf levels; protobuf's default of 100
-// would refuse values the codec accepts). False if the bytes do not parse.
-bool parseEnvelope(const std::string& bytes, wire::Envelope* envelope);
 
 // Note [Sparse tensors on the wire]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -16,6 +16,7 @@
 #include "torchrpc/autograd/context_container.h"
 #include "torchrpc/autograd/messages.h"
 #include "torchrpc/autograd/send_recv_functions.h"
+#include "torchrpc/rpc/wire/envelope.h"
 #include "torchrpc/rref/rref.h"
 #include "torchrpc/rref/rref_context.h"
 

@@ -16,6 +16,7 @@
 
 #include "tests/support/rref_cluster.h"
 #include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
+#include "torchrpc/rpc/wire/envelope.h"
 
 namespace torchrpc {
 namespace testing {

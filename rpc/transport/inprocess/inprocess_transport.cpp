@@ -2,17 +2,18 @@
 
 #include <c10/util/Exception.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
+#include <mutex>
 #include <queue>
 #include <thread>
 #include <utility>
 #include <vector>
 
-#include "proto/rpc/envelope.pb.h"
 #include "torchrpc/rpc/transport/receive_buffer_pool.h"
-#include "torchrpc/rpc/wire/value_codec.h"
 
 namespace torchrpc {
 namespace rpc {
@@ -604,65 +605,6 @@ class InProcessTransportImpl
 };
 
 } // namespace detail
-
-void InProcessNetwork::setFaultInjector(FaultInjector injector) {
-  std::shared_ptr<const FaultInjector> shared;
-  if (injector) {
-    shared = std::make_shared<const FaultInjector>(std::move(injector));
-  }
-  std::lock_guard<std::mutex> lock(mutex_);
-  faultInjector_ = std::move(shared);
-}
-
-std::optional<MessageSummary> summarizeMessage(const Message& message) {
-  wire::Envelope envelope;
-  if (!detail::parseEnvelope(message.header, &envelope)) {
-    return std::nullopt;
-  }
-  MessageSummary summary;
-  summary.kind = envelope.kind();
-  summary.isResponse = envelope.is_response();
-  summary.id = envelope.id();
-  return summary;
-}
-
-std::string InProcessNetwork::allocateAddress() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return "inproc://" + std::to_string(nextAddressId_++);
-}
-
-void InProcessNetwork::bind(
-    const std::string& address,
-    std::weak_ptr<detail::InProcessTransportImpl> transport) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  listeners_[address] = std::move(transport);
-}
-
-void InProcessNetwork::unbind(const std::string& address) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  listeners_.erase(address);
-}
-
-std::shared_ptr<detail::InProcessTransportImpl> InProcessNetwork::lookup(
-    const std::string& address) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto it = listeners_.find(address);
-  return it == listeners_.end() ? nullptr : it->second.lock();
-}
-
-FaultAction InProcessNetwork::decide(
-    const std::string& fromAddress,
-    const std::string& toAddress,
-    const Message& message) {
-  std::shared_ptr<const FaultInjector> injector;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    injector = faultInjector_;
-  }
-  // Called outside the lock so that an injector may take its own locks.
-  return injector ? (*injector)(fromAddress, toAddress, message)
-                  : FaultAction::deliver();
-}
 
 InProcessTransport::InProcessTransport(
     std::shared_ptr<InProcessNetwork> network,

@@ -24,6 +24,7 @@
 #include "tests/support/transport_harness.h"
 #include "tests/support/transport_names.h"
 #include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
+#include "torchrpc/rpc/transport/inprocess/network.h"
 #include "torchrpc/rpc/transport/tcp/tcp_transport.h"
 #include "torchrpc/rpc/transport/tensorpipe/tensorpipe_transport.h"
 #include "torchrpc/rpc/transport/transport.h"

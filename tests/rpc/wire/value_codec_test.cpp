@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/wire_tensors.h"
 #include "torchrpc/rpc/errors.h"
 
 namespace torchrpc {
@@ -20,21 +21,7 @@ namespace rpc {
 namespace detail {
 namespace {
 
-// What a transport delivers: every tensor's bytes in a fresh 1-D byte tensor.
-std::vector<at::Tensor> asWireTensors(const std::vector<at::Tensor>& sent) {
-  std::vector<at::Tensor> wire;
-  wire.reserve(sent.size());
-  for (const auto& tensor : sent) {
-    EXPECT_TRUE(tensor.is_contiguous());
-    EXPECT_TRUE(tensor.device().is_cpu());
-    auto bytes = at::empty({static_cast<int64_t>(tensor.nbytes())}, at::kByte);
-    if (tensor.nbytes() > 0) {
-      std::memcpy(bytes.data_ptr(), tensor.data_ptr(), tensor.nbytes());
-    }
-    wire.push_back(std::move(bytes));
-  }
-  return wire;
-}
+using harness::asWireTensors;
 
 // The values nest about three protobuf messages per level (Value, DictValue,
 // DictEntry), beyond protobuf's default recursion limit of 100.

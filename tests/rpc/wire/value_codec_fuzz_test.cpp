@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/wire_tensors.h"
 #include "torchrpc/rpc/errors.h"
 
 namespace torchrpc {
@@ -46,17 +47,7 @@ struct Seed {
   std::vector<at::Tensor> wireTensors;
 };
 
-std::vector<at::Tensor> asWireTensors(const std::vector<at::Tensor>& sent) {
-  std::vector<at::Tensor> wire;
-  for (const auto& tensor : sent) {
-    auto bytes = at::empty({static_cast<int64_t>(tensor.nbytes())}, at::kByte);
-    if (tensor.nbytes() > 0) {
-      std::memcpy(bytes.data_ptr(), tensor.data_ptr(), tensor.nbytes());
-    }
-    wire.push_back(std::move(bytes));
-  }
-  return wire;
-}
+using harness::asWireTensors;
 
 // Stands in for an upper layer's kind; refuses payloads it did not write.
 std::vector<ValueExtension> fuzzExtensions() {
