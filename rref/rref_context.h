@@ -15,19 +15,11 @@
 
 #include "torchrpc/rpc/runtime.h"
 #include "torchrpc/rpc/runtime_layer.h"
+#include "torchrpc/rref/messages.h"
 #include "torchrpc/rref/rref_id.h"
 
 namespace torchrpc {
 namespace rref {
-
-// Message kinds of the RRef layer (rpc/ owns [1, 15]; rref/ takes [16, 31]).
-// See Note [RRef fork protocol].
-constexpr uint32_t kRemoteKind = 16;
-constexpr uint32_t kCallOnKind = 17;
-constexpr uint32_t kFetchKind = 18;
-constexpr uint32_t kForkNotifyKind = 19;
-constexpr uint32_t kChildAcceptedKind = 20;
-constexpr uint32_t kDeleteForkKind = 21;
 
 // Note [RRef fork protocol]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~
