@@ -13,7 +13,9 @@ namespace torchrpc {
 namespace rpc {
 namespace detail {
 
+namespace tcp {
 class TcpTransportImpl;
+} // namespace tcp
 
 struct TcpTransportOptions {
   // The IP this transport listens on, optionally with ":port" (port 0 or
@@ -25,7 +27,7 @@ struct TcpTransportOptions {
   std::string name = "tcp";
   // When not empty, every peer must prove it knows the same secret (and so
   // must we); the secret itself never goes on the wire. See
-  // Note [TCP transport wire format].
+  // Note [TCP transport handshake] in tcp/handshake.h.
   std::string sharedSecret;
   // A new connection (either side) that has not finished its handshake
   // within this long is dropped. It also bounds the TCP connect.
@@ -42,89 +44,22 @@ struct TcpTransportOptions {
   // sockets for pollAfterTraffic instead of sleeping in the kernel, so the
   // next message finds them awake; for pollWhileAwaiting instead while
   // replies are due (watchAwaitedReplies()). Zero turns either off. See
-  // Note [Polling after traffic].
+  // Note [Polling after traffic] in tcp/polling.h.
   std::chrono::microseconds pollAfterTraffic{0};
   std::chrono::microseconds pollWhileAwaiting{0};
   // Tensors of at least zeroCopyMinBytes sent to a peer on this host that
   // proved it can read our memory travel as (address, length) and are read
   // by the peer with process_vm_readv: one copy instead of two plus the
-  // loopback. See Note [TCP transport wire format].
+  // loopback. See Note [TCP same-host zero copy] in tcp/same_host.h.
   bool sameHostZeroCopy = true;
   size_t zeroCopyMinBytes = size_t(256) << 10;
 };
 
-// Note [TCP transport wire format]
-//
-// Background: TensorPipe's uv transport costs four thread wake-ups per round
-// trip (caller -> its loop, network -> callee loop, callee pool -> its loop,
-// network -> caller loop) and its listener trusts a length prefix. This
-// transport writes from the sending thread and reads on one io thread, so a
-// round trip costs the two network wake-ups only, and it validates every
-// byte it reads.
-//
-// Every frame, in both directions, starts with a 16-byte header, integers
-// little-endian:
-//
-//   u32 magic 'TRPC' | u8 version (1) | u8 type | u16 reserved (0)
-//   u32 body length  | u32 tensor count
-//
-// followed by `tensor count` u64 tensor lengths, then the body, then the
-// tensors' bytes back to back. Types: kHello, kWelcome, kProof (handshake,
-// no tensors, body at most 4 KiB), kData (body = Message::header),
-// kHeartbeat and kClose (empty). A receiver checks the header, then reads
-// the lengths (at most maxTensorsPerMessage of them), checks the body and
-// the sum against TransportLimits, and only then allocates: the body as a
-// string, each tensor as a ReceiveBufferPool buffer, read in place.
-//
-// Same-host zero copy (sameHostZeroCopy, on both sides): kHello and
-// kWelcome may end with a section {u8 1 | short string boot_id | u64 pid
-// namespace inode | u64 pid | 16-byte challenge}, kWelcome's followed by
-// u64 address. Each side that sees the same boot_id and pid namespace
-// writes the peer's challenge into its own memory and announces where: the
-// server in kWelcome, the client in a kCmaProbe {u8 can-read-you | u64
-// address} right after the handshake, answered by kCmaResult {u8
-// can-read-you}. A side "can read" its peer when one process_vm_readv of
-// the announced address returns its own random challenge, which proves
-// the announced pid is the peer (or cooperates with it). A sender uses
-// kDataCma only once the peer said it can read it:
-//
-//   kDataCma = kData's header and lengths | u64 id | u64 address per
-//              tensor (0: its bytes follow inline) | body | inline bytes
-//
-// The receiver validates the lengths as for kData, allocates pool buffers,
-// reads every addressed tensor with process_vm_readv, then sends kAck {u64
-// id} and delivers. The sender keeps those tensors alive until the ack
-// arrives or the connection fails (a send's done runs when the frame is
-// written). A failed read fails the connection: kWorkerUnavailable if the
-// peer process is gone (ESRCH), kMalformedMessage if it announced memory it
-// does not have. A peer can only make us read its own address space, into
-// buffers sized by validated lengths.
-//
-// Handshake, before any data frame:
-//   1. client -> kHello   {auth, client nonce, client name}
-//   2. server -> kWelcome {auth, server nonce, server name, server proof}
-//   3. client -> kProof   {client proof}                (only with a secret)
-// With a secret, nonces are 32 random bytes (RAND_bytes) and a proof is
-// HMAC-SHA256(secret, role label | client nonce | server nonce), compared
-// in constant time; the role label keeps one side's proof from being
-// replayed as the other's. Without a secret, auth is 0 and there are no
-// nonces or proofs; the two sides must agree on whether a secret is used.
-//
-// Guarantees:
-//   1. No data frame from a peer is read before its handshake passed, and a
-//      server hands a connection to onAccept only then.
-//   2. A peer that sends anything invalid, or does not finish within
-//      handshakeTimeout, is dropped and logged; at most
-//      kMaxHandshakingConnections (64) connections may be in their
-//      handshake, the oldest is dropped for a new one. The listener keeps
-//      accepting whatever peers do.
-//   3. Any framing or cap violation on an open connection fails that
-//      connection alone with kMalformedMessage and closes it.
-//   4. EOF, reset, a kClose frame or peerTimeout of silence fail the
-//      connection with kWorkerUnavailable; every pending send's done gets
-//      the error.
-
-// Transport over TCP with Boost.Asio.
+// Transport over TCP with Boost.Asio. The protocol is in three Notes:
+//   Note [TCP transport wire format]   in tcp/frame.h,
+//   Note [TCP transport handshake]     in tcp/handshake.h,
+//   Note [TCP same-host zero copy]     in tcp/same_host.h.
+// The other files of rpc/transport/tcp/ are private to the rpc layer.
 //
 // Threads: reads, accepts and timers run on this transport's io threads;
 // each connection's callbacks (onMessage, onError) are serialized on its own
@@ -160,7 +95,7 @@ class TcpTransport : public Transport {
       std::shared_ptr<const std::atomic<int64_t>> count) override;
 
  private:
-  std::shared_ptr<TcpTransportImpl> impl_;
+  std::shared_ptr<tcp::TcpTransportImpl> impl_;
 };
 
 } // namespace detail

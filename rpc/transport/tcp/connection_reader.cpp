@@ -1,0 +1,657 @@
+#include "torchrpc/rpc/transport/tcp/connection.h"
+
+// The read state machine of TcpConnectionImpl, on its strand: frame
+// headers, then handshake, control or data frames. connection.cpp has the
+// rest of the class (sending, failing, liveness).
+
+#include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
+
+#include <boost/asio/read.hpp>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+namespace torchrpc {
+namespace rpc {
+namespace detail {
+namespace tcp {
+
+namespace asio = boost::asio;
+
+namespace {
+
+// Bytes per recvmsg on large reads (asio's default is 64 KiB, which costs a
+// syscall and a handler per 64 KiB of a large tensor).
+constexpr size_t kReadChunkBytes = size_t(4) << 20;
+
+} // namespace
+
+// ---- Reading, on the strand ----
+
+// Counts every chunk that arrives as a sign of life, so a long transfer is
+// not taken for silence.
+struct TcpConnectionImpl::ReadProgress {
+  TcpConnectionImpl* self;
+  size_t operator()(const AsioError& ec, size_t /*bytes*/) const {
+    self->lastReceive_ = Clock::now();
+    return ec ? 0 : kReadChunkBytes;
+  }
+};
+
+void TcpConnectionImpl::readFrameHeaderFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  auto self = shared_from_this();
+  asio::async_read(
+      socket_,
+      asio::buffer(frameHeader_, kFrameHeaderBytes),
+      ReadProgress{this},
+      [self](const AsioError& ec, size_t) { self->onFrameHeaderFromLoop(ec); });
+}
+
+template <typename Then>
+void TcpConnectionImpl::readBodyFromLoop(size_t bytes, Then then) {
+  TORCHRPC_ASSERT_IN_LOOP();
+  body_.assign(bytes, '\0');
+  auto self = shared_from_this();
+  asio::async_read(
+      socket_,
+      asio::buffer(&body_[0], body_.size()),
+      ReadProgress{this},
+      [self, then](const AsioError& ec, size_t) {
+        if (ec) {
+          self->failFromNetworkFromLoop(ec);
+          return;
+        }
+        then(*self);
+      });
+}
+
+void TcpConnectionImpl::beginReadingFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  if (handshake_.done && !reading_) {
+    reading_ = true;
+    readFrameHeaderFromLoop();
+  }
+}
+
+void TcpConnectionImpl::failFromNetworkFromLoop(const AsioError& ec) {
+  TORCHRPC_ASSERT_IN_LOOP();
+  std::string what = ec == asio::error::eof
+      ? std::string("the peer closed the connection")
+      : ec.message();
+  if (!handshake_.done) {
+    handshakeFailedFromLoop(what);
+    return;
+  }
+  fail(TransportError{
+      ErrorCode::kWorkerUnavailable,
+      "connection to " + describe() + " failed: " + what});
+}
+
+void TcpConnectionImpl::violationFromLoop(const std::string& what) {
+  TORCHRPC_ASSERT_IN_LOOP();
+  if (!handshake_.done) {
+    handshakeFailedFromLoop(what);
+    return;
+  }
+  fail(TransportError{
+      ErrorCode::kMalformedMessage,
+      "connection to " + describe() + ": " + what});
+}
+
+void TcpConnectionImpl::handshakeFailedFromLoop(const std::string& what) {
+  TORCHRPC_ASSERT_IN_LOOP();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failed_) {
+      return;
+    }
+  }
+  std::string detail = "handshake with " + describe() + " failed: " + what;
+  LOG(WARNING) << "TcpTransport " << context_->options.name << ": " << detail
+               << "; dropped";
+  fail(TransportError{ErrorCode::kWorkerUnavailable, detail});
+}
+
+// Validates the header, then hands the frame to its kind's reader.
+void TcpConnectionImpl::onFrameHeaderFromLoop(const AsioError& ec) {
+  TORCHRPC_ASSERT_IN_LOOP();
+  if (ec) {
+    failFromNetworkFromLoop(ec);
+    return;
+  }
+  const FrameHeader header = decodeFrameHeader(frameHeader_);
+  const std::string refusal = checkFrameHeader(header);
+  if (!refusal.empty()) {
+    violationFromLoop(refusal);
+    return;
+  }
+  if (!handshake_.done) {
+    onHandshakeFrameFromLoop(header);
+    return;
+  }
+  switch (header.type) {
+    case FrameType::kHeartbeat:
+    case FrameType::kClose:
+    case FrameType::kCmaProbe:
+    case FrameType::kCmaResult:
+    case FrameType::kAck:
+      onControlFrameFromLoop(header);
+      return;
+    case FrameType::kData:
+    case FrameType::kDataCma:
+      onDataFrameFromLoop(header);
+      return;
+    default:
+      violationFromLoop(
+          "unexpected frame type " +
+          std::to_string(static_cast<int>(header.type)));
+      return;
+  }
+}
+
+void TcpConnectionImpl::onControlFrameFromLoop(const FrameHeader& header) {
+  TORCHRPC_ASSERT_IN_LOOP();
+  const FrameType type = header.type;
+  if (type == FrameType::kHeartbeat) {
+    if (header.bodyBytes != 0 || header.count != 0) {
+      violationFromLoop("heartbeat frame with a body");
+      return;
+    }
+    readFrameHeaderFromLoop();
+    return;
+  }
+  if (type == FrameType::kClose) {
+    fail(TransportError{
+        ErrorCode::kWorkerUnavailable,
+        "connection to " + describe() + " closed by the peer"});
+    return;
+  }
+  if (header.bodyBytes != cmaBodyBytes(type) || header.count != 0) {
+    violationFromLoop("malformed control frame");
+    return;
+  }
+  readBodyFromLoop(header.bodyBytes, [type](TcpConnectionImpl& self) {
+    self.onCmaBodyFromLoop(type);
+  });
+}
+
+void TcpConnectionImpl::onDataFrameFromLoop(const FrameHeader& header) {
+  TORCHRPC_ASSERT_IN_LOOP();
+  dataCma_ = header.type == FrameType::kDataCma;
+  if (dataCma_ && (!sameHost_.weReadPeer || header.count == 0)) {
+    violationFromLoop("unexpected zero-copy data frame");
+    return;
+  }
+  const std::string refusal =
+      checkDataFrameCaps(header, context_->options.limits);
+  if (!refusal.empty()) {
+    violationFromLoop(refusal);
+    return;
+  }
+  bodyBytes_ = header.bodyBytes;
+  const size_t count = header.count;
+  if (count == 0) {
+    lengths_.clear();
+    onLengthsFromLoop();
+    return;
+  }
+  // Bounded by maxTensorsPerMessage, checked above.
+  lengths_.assign(count, 0);
+  auto self = shared_from_this();
+  asio::async_read(
+      socket_,
+      asio::buffer(lengths_.data(), count * sizeof(uint64_t)),
+      ReadProgress{this},
+      [self](const AsioError& ec, size_t) {
+        if (ec) {
+          self->failFromNetworkFromLoop(ec);
+          return;
+        }
+        self->onLengthsFromLoop();
+      });
+}
+
+void TcpConnectionImpl::onLengthsFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  const std::string refusal =
+      decodeTensorLengths(lengths_, bodyBytes_, context_->options.limits);
+  if (!refusal.empty()) {
+    violationFromLoop(refusal);
+    return;
+  }
+  if (!dataCma_) {
+    readPayloadFromLoop();
+    return;
+  }
+  cmaWords_.assign(lengths_.size() + 1, 0);
+  auto self = shared_from_this();
+  asio::async_read(
+      socket_,
+      asio::buffer(cmaWords_.data(), cmaWords_.size() * sizeof(uint64_t)),
+      ReadProgress{this},
+      [self](const AsioError& ec, size_t) {
+        if (ec) {
+          self->failFromNetworkFromLoop(ec);
+          return;
+        }
+        decodeLeWords(self->cmaWords_);
+        self->readPayloadFromLoop();
+      });
+}
+
+bool TcpConnectionImpl::byAddressFromLoop(size_t i) const {
+  TORCHRPC_ASSERT_IN_LOOP();
+  return dataCma_ && cmaWords_[i + 1] != 0;
+}
+
+void TcpConnectionImpl::readPayloadFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  // The buffers point into the holder: a short header lives inside the
+  // std::string, so the message must not move before the read completes.
+  auto holder = std::make_shared<Message>();
+  Message& message = *holder;
+  try {
+    message.header.resize(bodyBytes_);
+    message.tensors.reserve(lengths_.size());
+    for (uint64_t length : lengths_) {
+      message.tensors.push_back(context_->pool->allocate(length));
+    }
+  } catch (const std::exception& e) {
+    fail(TransportError{
+        ErrorCode::kWorkerUnavailable,
+        "connection to " + describe() +
+            ": cannot allocate a message: " + e.what()});
+    return;
+  }
+  std::vector<asio::mutable_buffer> buffers;
+  buffers.reserve(1 + lengths_.size());
+  if (bodyBytes_ > 0) {
+    buffers.push_back(asio::buffer(&message.header[0], bodyBytes_));
+  }
+  for (size_t i = 0; i < lengths_.size(); ++i) {
+    if (lengths_[i] > 0 && !byAddressFromLoop(i)) {
+      buffers.push_back(
+          asio::buffer(message.tensors[i].data_ptr(), lengths_[i]));
+    }
+  }
+  if (buffers.empty()) {
+    finishPayloadFromLoop(std::move(message));
+    return;
+  }
+  auto self = shared_from_this();
+  asio::async_read(
+      socket_,
+      buffers,
+      ReadProgress{this},
+      [self, holder](const AsioError& ec, size_t) {
+        if (ec) {
+          self->failFromNetworkFromLoop(ec);
+          return;
+        }
+        self->finishPayloadFromLoop(std::move(*holder));
+      });
+}
+
+void TcpConnectionImpl::finishPayloadFromLoop(Message&& message) {
+  TORCHRPC_ASSERT_IN_LOOP();
+  if (dataCma_) {
+    for (size_t i = 0; i < lengths_.size(); ++i) {
+      if (!byAddressFromLoop(i)) {
+        continue;
+      }
+      int error = readFromPeer(
+          sameHost_.peerPid,
+          static_cast<char*>(message.tensors[i].data_ptr()),
+          cmaWords_[i + 1],
+          lengths_[i]);
+      if (error == ESRCH) {
+        fail(TransportError{
+            ErrorCode::kWorkerUnavailable,
+            "connection to " + describe() +
+                " failed: the peer process is gone"});
+        return;
+      }
+      if (error != 0) {
+        violationFromLoop(
+            std::string("cannot read an announced tensor: ") +
+            std::strerror(error));
+        return;
+      }
+    }
+    lastReceive_ = Clock::now();
+    enqueue(controlFrame(FrameType::kAck, encodeAck(cmaWords_[0])), false);
+  }
+  deliverFromLoop(std::move(message));
+}
+
+void TcpConnectionImpl::deliverFromLoop(Message&& message) {
+  TORCHRPC_ASSERT_IN_LOOP();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failed_) {
+      return;
+    }
+  }
+  context_->polling.noteTraffic();
+  // onMessage_ changes only on this strand once started.
+  onMessage_(std::move(message));
+  readFrameHeaderFromLoop();
+}
+
+// ---- Handshake, on the strand ----
+
+void TcpConnectionImpl::armHandshakeTimerFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  auto timeout = context_->options.handshakeTimeout;
+  handshakeTimer_.expires_after(timeout);
+  auto self = shared_from_this();
+  handshakeTimer_.async_wait([self, timeout](const AsioError& ec) {
+    if (ec || self->handshake_.done) {
+      return;
+    }
+    self->handshakeFailedFromLoop(
+        "no handshake within " + std::to_string(timeout.count()) + " ms");
+  });
+}
+
+void TcpConnectionImpl::sendHelloFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  Greeting hello;
+  hello.auth = authenticates();
+  handshake_.clientNonce = hello.auth ? randomBytes(kNonceBytes) : "";
+  hello.nonce = handshake_.clientNonce;
+  hello.name = context_->options.name;
+  hello.host = sameHost_.ourSection(context_->host);
+  enqueue(
+      controlFrame(FrameType::kHello, encodeGreeting(FrameType::kHello, hello)),
+      false);
+}
+
+void TcpConnectionImpl::onHandshakeFrameFromLoop(const FrameHeader& header) {
+  TORCHRPC_ASSERT_IN_LOOP();
+  const FrameType expected = expectedHandshakeFrame(handshake_);
+  if (header.type != expected || header.count != 0 ||
+      header.bodyBytes > kMaxHandshakeBodyBytes) {
+    violationFromLoop(
+        "unexpected handshake frame (type " +
+        std::to_string(static_cast<int>(header.type)) + ", " +
+        std::to_string(header.bodyBytes) + " bytes)");
+    return;
+  }
+  readBodyFromLoop(header.bodyBytes, [expected](TcpConnectionImpl& self) {
+    if (expected == FrameType::kHello) {
+      self.onHelloFromLoop();
+    } else if (expected == FrameType::kWelcome) {
+      self.onWelcomeFromLoop();
+    } else {
+      self.onProofFromLoop();
+    }
+  });
+}
+
+bool TcpConnectionImpl::readGreetingFromLoop(
+    FrameType type,
+    Greeting& greeting) {
+  TORCHRPC_ASSERT_IN_LOOP();
+  const std::string refusal =
+      decodeGreeting(type, body_, authenticates(), greeting);
+  if (!refusal.empty()) {
+    handshakeFailedFromLoop(refusal);
+    return false;
+  }
+  peerName_ = greeting.name;
+  if (greeting.host) {
+    sameHost_.notePeerSection(context_->host, *greeting.host);
+  }
+  return true;
+}
+
+// Server: answers with kWelcome (and our proof, with a secret).
+void TcpConnectionImpl::onHelloFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  Greeting hello;
+  if (!readGreetingFromLoop(FrameType::kHello, hello)) {
+    return;
+  }
+  handshake_.clientNonce = hello.nonce;
+  Greeting welcome;
+  welcome.auth = hello.auth;
+  if (welcome.auth) {
+    handshake_.serverNonce = randomBytes(kNonceBytes);
+    welcome.nonce = handshake_.serverNonce;
+    welcome.proof = proofOf(
+        context_->options.sharedSecret,
+        Role::kServer,
+        handshake_.clientNonce,
+        handshake_.serverNonce);
+  }
+  welcome.name = context_->options.name;
+  if (sameHost_.peerSentHost) {
+    welcome.host = sameHost_.ourSection(context_->host);
+    sameHost_.offeredCma = welcome.host.has_value();
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    describe_ = "'" + hello.name + "' (" + describe_ + ")";
+  }
+  enqueue(
+      controlFrame(
+          FrameType::kWelcome,
+          encodeGreeting(FrameType::kWelcome, welcome)),
+      false);
+  if (welcome.auth) {
+    handshake_.awaitingProof = true;
+    readFrameHeaderFromLoop();
+  } else {
+    completeHandshakeFromLoop();
+  }
+}
+
+// Client: the server proved it knows the secret; now we prove it, and
+// answer a zero-copy offer.
+void TcpConnectionImpl::onWelcomeFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  Greeting welcome;
+  if (!readGreetingFromLoop(FrameType::kWelcome, welcome)) {
+    return;
+  }
+  if (welcome.auth) {
+    const std::string& secret = context_->options.sharedSecret;
+    handshake_.serverNonce = welcome.nonce;
+    if (!equalInConstantTime(
+            welcome.proof,
+            proofOf(
+                secret,
+                Role::kServer,
+                handshake_.clientNonce,
+                handshake_.serverNonce))) {
+      handshakeFailedFromLoop("the server does not know the shared secret");
+      return;
+    }
+    enqueue(
+        controlFrame(
+            FrameType::kProof,
+            proofOf(
+                secret,
+                Role::kClient,
+                handshake_.clientNonce,
+                handshake_.serverNonce)),
+        false);
+  }
+  if (sameHost_.peerSentHost && !sameHost_.ourChallenge.empty()) {
+    // Tell the server whether we can read it, and where it finds its
+    // challenge in our memory.
+    sameHost_.weReadPeer = sameHost_.probePeer(welcome.host->address);
+    sameHost_.sentCmaProbe = true;
+    enqueue(
+        controlFrame(
+            FrameType::kCmaProbe,
+            encodeCmaProbe(sameHost_.weReadPeer, sameHost_.probeAddress())),
+        false);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    describe_ = "'" + welcome.name + "' at " + describe_;
+  }
+  completeHandshakeFromLoop();
+}
+
+// Server, with a secret: the client's proof.
+void TcpConnectionImpl::onProofFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  std::string proof;
+  const std::string refusal = decodeProof(body_, proof);
+  if (!refusal.empty()) {
+    handshakeFailedFromLoop(refusal);
+    return;
+  }
+  if (!equalInConstantTime(
+          proof,
+          proofOf(
+              context_->options.sharedSecret,
+              Role::kClient,
+              handshake_.clientNonce,
+              handshake_.serverNonce))) {
+    handshakeFailedFromLoop("wrong shared secret");
+    return;
+  }
+  completeHandshakeFromLoop();
+}
+
+void TcpConnectionImpl::completeHandshakeFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  handshake_.done = true;
+  handshakeTimer_.cancel();
+  lastReceive_ = Clock::now();
+  std::vector<OutFrame> completed;
+  int writeErrno = 0;
+  bool mustWait = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failed_) {
+      return;
+    }
+    open_ = true;
+    for (OutFrame& frame : pendingData_) {
+      queue_.push_back(std::move(frame));
+    }
+    pendingData_.clear();
+    if (!waitingWritable_ && !queue_.empty()) {
+      writeErrno = flushOrAwaitLocked(completed, &mustWait);
+    }
+  }
+  if (mustWait) {
+    awaitWritableFromLoop();
+  }
+  armHeartbeatFromLoop();
+  finishWrites(completed, writeErrno);
+  if (handshake_.role == Role::kServer) {
+    handOverFromLoop();
+  }
+  bool started;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    started = started_;
+  }
+  if (started) {
+    beginReadingFromLoop();
+  }
+}
+
+void TcpConnectionImpl::handOverFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  std::shared_ptr<Transport::AcceptCallback> onAccept =
+      context_->handshakePassed(id_);
+  if (!onAccept) {
+    fail(TransportError{
+        ErrorCode::kWorkerUnavailable,
+        "transport closed during handshake"});
+    return;
+  }
+  (*onAccept)(std::make_shared<TcpConnection>(shared_from_this()));
+}
+
+// ---- Same-host zero copy, on the strand ----
+
+void TcpConnectionImpl::onCmaBodyFromLoop(FrameType type) {
+  TORCHRPC_ASSERT_IN_LOOP();
+  if (type == FrameType::kAck) {
+    onAckFromLoop();
+  } else if (type == FrameType::kCmaProbe) {
+    onCmaProbeFromLoop();
+  } else {
+    onCmaResultFromLoop();
+  }
+}
+
+void TcpConnectionImpl::onAckFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  uint64_t id = 0;
+  decodeAck(body_, id); // the length was checked
+  std::vector<at::Tensor> released;
+  bool unknown = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = awaitingAck_.find(id);
+    if (it != awaitingAck_.end()) {
+      released = std::move(it->second);
+      awaitingAck_.erase(it);
+    } else if (!failed_) {
+      unknown = true;
+    }
+  }
+  if (unknown) {
+    violationFromLoop("ack for an unknown message");
+    return;
+  }
+  readFrameHeaderFromLoop();
+}
+
+// Server: the client says whether it can read us and where our challenge
+// is in its memory; we answer whether we can read it.
+void TcpConnectionImpl::onCmaProbeFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  bool peerReadsUs = false;
+  uint64_t address = 0;
+  if (handshake_.role != Role::kServer || !sameHost_.offeredCma ||
+      sameHost_.gotCmaFrame || !decodeCmaProbe(body_, peerReadsUs, address)) {
+    violationFromLoop("unexpected zero-copy probe");
+    return;
+  }
+  sameHost_.gotCmaFrame = true;
+  sameHost_.weReadPeer = sameHost_.probePeer(address);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    peerReadsUs_ = peerReadsUs;
+  }
+  enqueue(
+      controlFrame(
+          FrameType::kCmaResult,
+          encodeCmaResult(sameHost_.weReadPeer)),
+      false);
+  readFrameHeaderFromLoop();
+}
+
+void TcpConnectionImpl::onCmaResultFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  bool peerReadsUs = false;
+  if (handshake_.role != Role::kClient || !sameHost_.sentCmaProbe ||
+      sameHost_.gotCmaFrame || !decodeCmaResult(body_, peerReadsUs)) {
+    violationFromLoop("unexpected zero-copy result");
+    return;
+  }
+  sameHost_.gotCmaFrame = true;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    peerReadsUs_ = peerReadsUs;
+  }
+  readFrameHeaderFromLoop();
+}
+
+} // namespace tcp
+} // namespace detail
+} // namespace rpc
+} // namespace torchrpc

@@ -1,0 +1,63 @@
+#pragma once
+
+// What a TCP transport and its connections share.
+
+#include <boost/asio/io_context.hpp>
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <utility>
+
+#include "torchrpc/rpc/transport/receive_buffer_pool.h"
+#include "torchrpc/rpc/transport/tcp/polling.h"
+#include "torchrpc/rpc/transport/tcp/same_host.h"
+#include "torchrpc/rpc/transport/tcp/tcp_transport.h"
+
+namespace torchrpc {
+namespace rpc {
+namespace detail {
+namespace tcp {
+
+class TcpConnectionImpl;
+
+// Connections hold it, so a connection the user keeps after the transport
+// died still has its io_context (with no thread left to run it). The
+// fields under `mutex` are the transport's; connections only forget
+// themselves and take the accept callback.
+struct TcpContext {
+  explicit TcpContext(TcpTransportOptions opts);
+
+  const TcpTransportOptions options;
+  boost::asio::io_context io;
+  const std::shared_ptr<ReceiveBufferPool> pool;
+  const HostIdentity host;
+  // Set once the io threads are gone: work is then done inline.
+  std::atomic<bool> joined{false};
+  IoPolling polling;
+
+  std::mutex mutex;
+  bool closed = false;
+  uint64_t nextId = 0;
+  std::map<uint64_t, std::weak_ptr<TcpConnectionImpl>> live;
+  // Accepted connections still in their handshake, oldest first.
+  std::deque<std::pair<uint64_t, std::weak_ptr<TcpConnectionImpl>>> handshaking;
+  std::shared_ptr<Transport::AcceptCallback> onAccept;
+
+  // Connection `id` is gone.
+  void forget(uint64_t id);
+  // Accepted connection `id` passed its handshake: it leaves `handshaking`.
+  // Returns the accept callback, or null once the transport is closed.
+  std::shared_ptr<Transport::AcceptCallback> handshakePassed(uint64_t id);
+
+ private:
+  void leaveHandshakingLocked(uint64_t id);
+};
+
+} // namespace tcp
+} // namespace detail
+} // namespace rpc
+} // namespace torchrpc

@@ -1,0 +1,113 @@
+#pragma once
+
+// How the TCP transport's io threads wait for work: asleep in the kernel,
+// or polling for a while after traffic. See Note [Polling after traffic].
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+namespace boost {
+namespace asio {
+class io_context;
+} // namespace asio
+} // namespace boost
+
+namespace torchrpc {
+namespace rpc {
+namespace detail {
+namespace tcp {
+
+// Note [Polling after traffic]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// An io thread normally sleeps in epoll_wait, and on a virtual machine
+// waking it (and its idle vCPU) costs tens to hundreds of microseconds per
+// message, more the longer it slept. When polling is on, an io thread
+// that finds nothing ready keeps polling instead (a zero-timeout
+// epoll_wait, yielding the CPU in between) while the last data frame is
+// younger than pollAfterTraffic (a conversation's next message is likely
+// near), or younger than pollWhileAwaiting while this process awaits
+// replies (its callers are blocked anyway). Then it sleeps as before.
+// Heartbeats do not count as traffic, so an idle worker uses no CPU; a
+// busy one spends up to a core on lower latency (one io thread per
+// process polls at a time). bench/RESULTS.md has the measurements.
+
+// The polling policy of one transport, and the io threads' loop that
+// follows it. noteTraffic() and noteSend() are called on any thread; run()
+// on each io thread.
+class IoPolling {
+ public:
+  // Zero durations turn either kind of polling off.
+  IoPolling(
+      boost::asio::io_context& io,
+      std::chrono::microseconds afterTraffic,
+      std::chrono::microseconds whileAwaiting);
+
+  bool enabled() const {
+    return afterTraffic_.count() > 0 || whileAwaiting_.count() > 0;
+  }
+
+  // A data frame went out or came in.
+  void noteTraffic();
+  // Called when this process sends a data frame (on the sending thread):
+  // an io thread asleep in the kernel would only wake for the answer, too
+  // late to poll for it, so it is woken now to start polling.
+  void noteSend();
+  // Whether an io thread that found nothing to do should poll on.
+  bool keepPolling() const;
+  // The count of replies this process awaits; kept alive here. At most
+  // once (throws c10::Error otherwise), before traffic starts.
+  void watchAwaitedReplies(std::shared_ptr<const std::atomic<int64_t>> count);
+
+  // Runs io's handlers, polling per the policy, until io stops or runs out
+  // of work. Exceptions from handlers propagate (the polling slot is given
+  // back).
+  void run();
+
+ private:
+  // io.run_one(), counted in sleepingIoThreads_ meanwhile.
+  size_t sleepUntilWork();
+
+  boost::asio::io_context& io_;
+  const std::chrono::microseconds afterTraffic_;
+  const std::chrono::microseconds whileAwaiting_;
+  // When a data frame last went out or came in (steady clock, ns).
+  std::atomic<int64_t> lastTraffic_{0};
+  // The count of replies this process awaits (set once; owned by
+  // awaitedOwner_).
+  std::atomic<const std::atomic<int64_t>*> awaitedReplies_{nullptr};
+  std::shared_ptr<const std::atomic<int64_t>> awaitedOwner_;
+  // Io threads blocked in the kernel (a thread about to block may not
+  // count yet: then it misses one wake-up to poll, which costs only
+  // latency).
+  std::atomic<int> sleepingIoThreads_{0};
+};
+
+// At most one io thread of a process polls at a time, so several workers
+// in one process (tests, mostly) never poll at once. Released when the
+// thread stops polling, also by an exception from a handler. This is the
+// one process-global mutable state of the library, on purpose: the point
+// is to bound CPU per process, whatever number of transports it runs.
+class PollingSlot {
+ public:
+  PollingSlot() = default;
+  PollingSlot(const PollingSlot&) = delete;
+  PollingSlot& operator=(const PollingSlot&) = delete;
+  ~PollingSlot() {
+    release();
+  }
+
+  // True if this thread holds the slot (already, or from now on).
+  bool take();
+  void release();
+
+ private:
+  bool held_ = false;
+};
+
+} // namespace tcp
+} // namespace detail
+} // namespace rpc
+} // namespace torchrpc

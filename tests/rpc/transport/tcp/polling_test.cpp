@@ -1,0 +1,184 @@
+// The io threads' polling (Note [Polling after traffic],
+// rpc/transport/tcp/polling.h): the slot that lets one io thread per
+// process poll, and polling observed by thread state after traffic and
+// while replies are due.
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/support/tcp_peers.h"
+#include "tests/support/transport_harness.h"
+#include "torchrpc/rpc/transport/tcp/polling.h"
+#include "torchrpc/rpc/transport/tcp/tcp_transport.h"
+#include "torchrpc/rpc/transport/transport.h"
+
+namespace torchrpc {
+namespace rpc {
+namespace {
+
+using namespace harness;
+
+// ---- The polling slot ----
+
+TEST(TcpPollingSlot, OneHolderPerProcessAndReleasedOnDestruction) {
+  detail::tcp::PollingSlot first;
+  EXPECT_TRUE(first.take());
+  EXPECT_TRUE(first.take()) << "taking again keeps it";
+  {
+    detail::tcp::PollingSlot second;
+    EXPECT_FALSE(second.take());
+    first.release();
+    EXPECT_TRUE(second.take());
+  }
+  EXPECT_TRUE(first.take()) << "the destructor gave it back";
+  first.release();
+}
+
+// ---- Polling after traffic (Note [Polling after traffic]) ----
+//
+// A polling io thread is always running or runnable (state R in
+// /proc/self/task/*/stat), a sleeping one is not; unlike CPU time, that
+// holds on a loaded machine too, where a thread that yields gets little.
+
+// For each sample taken every 2 ms over `window`: how many threads of this
+// process other than the calling one were in state R.
+std::vector<int> runnableOtherThreadsOver(std::chrono::milliseconds window) {
+  const std::string self = std::to_string(::syscall(SYS_gettid));
+  std::vector<int> samples;
+  auto end = Clock::now() + window;
+  while (Clock::now() < end) {
+    int runnable = 0;
+    for (const auto& task :
+         std::filesystem::directory_iterator("/proc/self/task")) {
+      if (task.path().filename() == self) {
+        continue;
+      }
+      std::ifstream stat(task.path() / "stat");
+      std::string content((std::istreambuf_iterator<char>(stat)), {});
+      auto close = content.rfind(')');
+      if (close != std::string::npos && close + 2 < content.size() &&
+          content[close + 2] == 'R') {
+        ++runnable;
+      }
+    }
+    samples.push_back(runnable);
+    std::this_thread::sleep_for(2ms);
+  }
+  return samples;
+}
+
+// The share of samples with at least `threads` other threads in state R.
+double shareWithRunnable(const std::vector<int>& samples, int threads) {
+  if (samples.empty()) {
+    return 0;
+  }
+  auto count = std::count_if(samples.begin(), samples.end(), [&](int n) {
+    return n >= threads;
+  });
+  return static_cast<double>(count) / samples.size();
+}
+
+double pollingShareOver(std::chrono::milliseconds window) {
+  return shareWithRunnable(runnableOtherThreadsOver(window), 1);
+}
+
+detail::TcpTransportOptions quietOptions(std::string name) {
+  auto options = testOptions(std::move(name));
+  options.heartbeatInterval = 10s; // no frames but ours
+  options.peerTimeout = 30s;
+  return options;
+}
+
+TEST(TcpTransportPolling, PollsAfterTrafficThenSleeps) {
+  auto options = quietOptions("server");
+  options.pollAfterTraffic = 400ms;
+  detail::TcpTransport server(options);
+  detail::TcpTransport client(quietOptions("client")); // never polls
+  Acceptor acceptor(server);
+  auto connection = client.connect(server.address());
+  startWithInbox(connection);
+  auto accepted = acceptor.waitFor(0);
+  ASSERT_NE(accepted.connection, nullptr);
+  // The handshake is not traffic.
+  EXPECT_LT(pollingShareOver(200ms), 0.2) << "after the handshake";
+
+  auto received = Clock::now();
+  connection->send(makeMessage("x"), [](const TransportError*) {});
+  ASSERT_TRUE(accepted.inbox->waitForMessages(1, kTimeout));
+  EXPECT_GT(pollingShareOver(200ms), 0.8) << "within the window";
+  std::this_thread::sleep_until(received + 500ms); // past the window
+  EXPECT_LT(pollingShareOver(300ms), 0.2) << "after the window";
+  EXPECT_TRUE(accepted.inbox->errors().empty());
+}
+
+TEST(TcpTransportPolling, PollsWhileRepliesAreDueAndNotOtherwise) {
+  auto options = quietOptions("client");
+  options.pollWhileAwaiting = 1s;
+  detail::TcpTransport client(options);
+  auto awaited = std::make_shared<std::atomic<int64_t>>(0);
+  client.watchAwaitedReplies(awaited);
+  EXPECT_THROW(client.watchAwaitedReplies(awaited), c10::Error);
+  detail::TcpTransport server(quietOptions("server"));
+  Acceptor acceptor(server);
+  auto connection = client.connect(server.address());
+  startWithInbox(connection);
+  auto accepted = acceptor.waitFor(0);
+  ASSERT_NE(accepted.connection, nullptr);
+
+  // Traffic, but nothing awaited: the client sleeps.
+  connection->send(makeMessage("a"), [](const TransportError*) {});
+  ASSERT_TRUE(accepted.inbox->waitForMessages(1, kTimeout));
+  EXPECT_LT(pollingShareOver(200ms), 0.2) << "with no reply due";
+
+  // A reply due: it polls, and stops as soon as nothing is due any more.
+  awaited->store(1);
+  auto sent = Clock::now();
+  connection->send(makeMessage("b"), [](const TransportError*) {});
+  ASSERT_TRUE(accepted.inbox->waitForMessages(2, kTimeout));
+  EXPECT_GT(pollingShareOver(200ms), 0.8) << "while a reply is due";
+  awaited->store(0);
+  std::this_thread::sleep_for(20ms);
+  EXPECT_LT(pollingShareOver(200ms), 0.2) << "once nothing is due";
+
+  // Still due, but the window since the last message has passed.
+  awaited->store(1);
+  std::this_thread::sleep_until(sent + 1100ms);
+  EXPECT_LT(pollingShareOver(200ms), 0.2) << "after the window";
+  awaited->store(0);
+}
+
+TEST(TcpTransportPolling, OneIoThreadPerProcessPollsAtATime) {
+  auto options = quietOptions("a");
+  options.pollAfterTraffic = 1s;
+  detail::TcpTransport a(options);
+  options.name = "b";
+  detail::TcpTransport b(options);
+  Acceptor acceptor(b);
+  auto connection = a.connect(b.address());
+  startWithInbox(connection);
+  auto accepted = acceptor.waitFor(0);
+  ASSERT_NE(accepted.connection, nullptr);
+  // Traffic on both transports: each would poll on its own.
+  connection->send(makeMessage("x"), [](const TransportError*) {});
+  ASSERT_TRUE(accepted.inbox->waitForMessages(1, kTimeout));
+  auto samples = runnableOtherThreadsOver(200ms);
+  EXPECT_GT(shareWithRunnable(samples, 1), 0.8) << "no io thread polls";
+  EXPECT_LT(shareWithRunnable(samples, 2), 0.2) << "both io threads poll";
+}
+
+} // namespace
+} // namespace rpc
+} // namespace torchrpc

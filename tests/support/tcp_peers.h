@@ -1,0 +1,373 @@
+#pragma once
+
+// Harness for the TCP transport's tests (tests/rpc/transport/tcp/): raw
+// peers that speak bytes, hand-written frames, a listener fixture with one
+// legitimate connection, and an echo server in a forked child. The bench
+// (bench/transport_microbench.cpp) uses the child server too.
+
+#include <ATen/ATen.h>
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "tests/support/transport_harness.h"
+#include "torchrpc/rpc/transport/tcp/tcp_transport.h"
+#include "torchrpc/rpc/transport/tensorpipe/tensorpipe_transport.h"
+#include "torchrpc/rpc/transport/transport.h"
+
+namespace torchrpc {
+namespace rpc {
+namespace harness {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr auto kHandshakeTimeout = 300ms;
+
+inline detail::TcpTransportOptions testOptions(std::string name) {
+  detail::TcpTransportOptions options;
+  options.name = std::move(name);
+  options.handshakeTimeout = kHandshakeTimeout;
+  return options;
+}
+
+inline int portOf(const std::string& address) {
+  return std::stoi(address.substr(address.rfind(':') + 1));
+}
+
+// ---- Raw peers ----
+
+// A plain TCP client to 127.0.0.1, closed on destruction.
+class RawPeer {
+ public:
+  explicit RawPeer(int port) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in peer{};
+    peer.sin_family = AF_INET;
+    peer.sin_port = htons(static_cast<uint16_t>(port));
+    ::inet_pton(AF_INET, "127.0.0.1", &peer.sin_addr);
+    connected_ = fd_ >= 0 &&
+        ::connect(fd_, reinterpret_cast<sockaddr*>(&peer), sizeof(peer)) == 0;
+  }
+  ~RawPeer() {
+    close();
+  }
+
+  bool connected() const {
+    return connected_;
+  }
+
+  bool write(const std::string& bytes) {
+    size_t done = 0;
+    while (done < bytes.size()) {
+      ssize_t n =
+          ::send(fd_, bytes.data() + done, bytes.size() - done, MSG_NOSIGNAL);
+      if (n <= 0) {
+        return false;
+      }
+      done += static_cast<size_t>(n);
+    }
+    return true;
+  }
+
+  // Reads exactly `count` bytes, or returns what came before EOF/timeout.
+  std::string read(size_t count, std::chrono::milliseconds timeout = kTimeout) {
+    std::string out;
+    auto deadline = Clock::now() + timeout;
+    while (out.size() < count) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - Clock::now());
+      pollfd p{fd_, POLLIN, 0};
+      if (left.count() <= 0 ||
+          ::poll(&p, 1, static_cast<int>(left.count())) <= 0) {
+        break;
+      }
+      char buffer[4096];
+      ssize_t n =
+          ::recv(fd_, buffer, std::min(sizeof(buffer), count - out.size()), 0);
+      if (n <= 0) {
+        break;
+      }
+      out.append(buffer, static_cast<size_t>(n));
+    }
+    return out;
+  }
+
+  // True once the server closed its end (EOF or reset) within `timeout`.
+  bool waitClosedByServer(std::chrono::milliseconds timeout = kTimeout) {
+    auto deadline = Clock::now() + timeout;
+    while (Clock::now() < deadline) {
+      pollfd p{fd_, POLLIN, 0};
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - Clock::now());
+      if (::poll(&p, 1, std::max<int>(1, static_cast<int>(left.count()))) <=
+          0) {
+        continue;
+      }
+      char buffer[4096];
+      ssize_t n = ::recv(fd_, buffer, sizeof(buffer), 0);
+      if (n <= 0) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+  void close() {
+    if (fd_ >= 0) {
+      ::close(fd_);
+      fd_ = -1;
+    }
+  }
+
+ private:
+  int fd_ = -1;
+  bool connected_ = false;
+};
+
+// Frames as Note [TCP transport wire format] (rpc/transport/tcp/frame.h)
+// describes them, written by hand so that the tests do not trust the
+// transport's own encoder.
+inline void putLe(std::string& out, uint64_t value, int bytes) {
+  for (int i = 0; i < bytes; ++i) {
+    out.push_back(static_cast<char>((value >> (8 * i)) & 0xff));
+  }
+}
+
+inline std::string rawFrameHeader(uint8_t type, uint32_t body, uint32_t count) {
+  std::string out = "TRPC";
+  out.push_back(1); // version
+  out.push_back(static_cast<char>(type));
+  putLe(out, 0, 2);
+  putLe(out, body, 4);
+  putLe(out, count, 4);
+  return out;
+}
+
+constexpr uint8_t kHello = 1;
+constexpr uint8_t kData = 4;
+
+inline std::string rawHello(const std::string& name, bool auth) {
+  std::string body(1, auth ? '\1' : '\0');
+  if (auth) {
+    body += std::string(32, 'n');
+  }
+  putLe(body, name.size(), 2);
+  body += name;
+  return rawFrameHeader(kHello, static_cast<uint32_t>(body.size()), 0) + body;
+}
+
+inline std::string randomBytes(size_t count, uint32_t seed) {
+  std::mt19937 random(seed);
+  std::string out(count, '\0');
+  for (char& c : out) {
+    c = static_cast<char>(random());
+  }
+  return out;
+}
+
+// ---- A listener under attack ----
+
+// A listening server with one legitimate connection already open; after
+// each hostile act, that connection and a brand-new one must still work.
+class TcpListenerFixture : public testing::Test {
+ protected:
+  void SetUp() override {
+    server_ = std::make_unique<detail::TcpTransport>(serverOptions());
+    client_ = std::make_unique<detail::TcpTransport>(clientOptions());
+    acceptor_ = std::make_unique<Acceptor>(*server_);
+    port_ = portOf(server_->address());
+    established_ = client_->connect(server_->address());
+    establishedInbox_ = startWithInbox(established_);
+    established_->send(makeMessage("first"), [](const TransportError*) {});
+    accepted_ = acceptor_->waitFor(0);
+    ASSERT_NE(accepted_.connection, nullptr);
+    ASSERT_TRUE(accepted_.inbox->waitForMessages(1, kTimeout));
+  }
+
+  virtual detail::TcpTransportOptions serverOptions() {
+    return testOptions("server");
+  }
+  virtual detail::TcpTransportOptions clientOptions() {
+    return testOptions("client");
+  }
+
+  void expectListenerHealthy() {
+    // The established connection, both ways.
+    size_t before = accepted_.inbox->messages().size();
+    established_->send(
+        makeMessage("still there", {at::arange(10)}),
+        [](const TransportError*) {});
+    ASSERT_TRUE(accepted_.inbox->waitForMessages(before + 1, kTimeout));
+    EXPECT_EQ(accepted_.inbox->messages().back().header, "still there");
+    size_t back = establishedInbox_->messages().size();
+    accepted_.connection->send(makeMessage("pong"), [](const TransportError*) {
+    });
+    ASSERT_TRUE(establishedInbox_->waitForMessages(back + 1, kTimeout));
+    EXPECT_TRUE(accepted_.inbox->errors().empty());
+    EXPECT_TRUE(establishedInbox_->errors().empty());
+
+    // A brand-new connection.
+    size_t index = acceptor_->count();
+    auto fresh = client_->connect(server_->address());
+    auto freshInbox = startWithInbox(fresh);
+    fresh->send(makeMessage("fresh"), [](const TransportError*) {});
+    auto accepted = acceptor_->waitFor(index);
+    ASSERT_NE(accepted.connection, nullptr);
+    ASSERT_TRUE(accepted.inbox->waitForMessages(1, kTimeout));
+    EXPECT_EQ(accepted.inbox->messages()[0].header, "fresh");
+    EXPECT_TRUE(freshInbox->errors().empty());
+  }
+
+  std::unique_ptr<detail::TcpTransport> server_;
+  std::unique_ptr<detail::TcpTransport> client_;
+  std::unique_ptr<Acceptor> acceptor_;
+  int port_ = 0;
+  std::shared_ptr<Connection> established_;
+  std::shared_ptr<Inbox> establishedInbox_;
+  Acceptor::Accepted accepted_;
+};
+
+// ---- Peers in other processes ----
+
+// A TcpTransport or TensorPipeTransport echo server in a forked child. The
+// child echoes each message back, except "ack" messages, answered with an
+// empty one. Killed (and reaped) by the destructor on every path.
+class ChildServer {
+ public:
+  enum class Kind { kTcp, kTensorPipe };
+
+  ChildServer(Kind kind, detail::TcpTransportOptions tcpOptions) {
+    int fds[2];
+    if (::pipe(fds) != 0) {
+      return;
+    }
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::close(fds[0]);
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      ::alarm(120); // never outlive a stuck test
+      runChild(kind, tcpOptions, fds[1]);
+      ::_exit(0);
+    }
+    ::close(fds[1]);
+    char buffer[256];
+    std::string address;
+    pollfd p{fds[0], POLLIN, 0};
+    auto deadline = Clock::now() + kTimeout;
+    while (address.find('\n') == std::string::npos && Clock::now() < deadline) {
+      if (::poll(&p, 1, 100) <= 0) {
+        continue;
+      }
+      ssize_t n = ::read(fds[0], buffer, sizeof(buffer));
+      if (n <= 0) {
+        break;
+      }
+      address.append(buffer, static_cast<size_t>(n));
+    }
+    ::close(fds[0]);
+    if (address.find('\n') != std::string::npos) {
+      address_ = address.substr(0, address.find('\n'));
+    }
+  }
+
+  ~ChildServer() {
+    kill(SIGKILL);
+    reap();
+  }
+
+  const std::string& address() const {
+    return address_;
+  }
+  pid_t pid() const {
+    return pid_;
+  }
+
+  void kill(int signal) {
+    if (pid_ > 0) {
+      ::kill(pid_, signal);
+    }
+  }
+
+  void reap() {
+    if (pid_ > 0) {
+      int status = 0;
+      ::waitpid(pid_, &status, 0);
+      pid_ = -1;
+    }
+  }
+
+ private:
+  static void runChild(
+      Kind kind,
+      const detail::TcpTransportOptions& tcpOptions,
+      int addressFd) {
+    std::unique_ptr<Transport> transport;
+    if (kind == Kind::kTcp) {
+      transport = std::make_unique<detail::TcpTransport>(tcpOptions);
+    } else {
+      transport = std::make_unique<detail::TensorPipeTransport>(
+          detail::TensorPipeTransportOptions{});
+    }
+    auto keep = std::make_shared<std::vector<std::shared_ptr<Connection>>>();
+    auto mutex = std::make_shared<std::mutex>();
+    transport->listen([keep, mutex](std::shared_ptr<Connection> connection) {
+      std::weak_ptr<Connection> weak = connection;
+      connection->start(
+          [weak](Message&& message) {
+            auto self = weak.lock();
+            if (!self) {
+              return;
+            }
+            if (message.header == "ack") {
+              self->send(makeMessage("acked"), [](const TransportError*) {});
+            } else {
+              self->send(std::move(message), [](const TransportError*) {});
+            }
+          },
+          [](const TransportError&) {});
+      std::lock_guard<std::mutex> lock(*mutex);
+      keep->push_back(std::move(connection));
+    });
+    std::string line = transport->address() + "\n";
+    if (::write(addressFd, line.data(), line.size()) < 0) {
+      return;
+    }
+    ::close(addressFd);
+    while (true) {
+      ::pause();
+    }
+  }
+
+  pid_t pid_ = -1;
+  std::string address_;
+};
+
+// Connects and checks one echo; returns the connection's inbox.
+inline std::shared_ptr<Inbox> connectAndEcho(
+    Transport& client,
+    const std::string& address,
+    std::shared_ptr<Connection>& connection) {
+  connection = client.connect(address);
+  auto inbox = startWithInbox(connection);
+  connection->send(makeMessage("hello"), [](const TransportError*) {});
+  EXPECT_TRUE(inbox->waitForMessages(1, kTimeout));
+  return inbox;
+}
+
+} // namespace harness
+} // namespace rpc
+} // namespace torchrpc
