@@ -119,6 +119,11 @@ std::vector<Seed> makeSeeds(const std::vector<ValueExtension>& extensions) {
     corpus.push_back({at::ones({2, 3}, dtype), at::empty({0, 4}, dtype)});
   }
   corpus.push_back({at::randn({3, 2}).t().requires_grad_(true)});
+  // Sparse COO: two transport tensors per descriptor, indices checked.
+  corpus.push_back(
+      {at::eye(4).to_sparse().requires_grad_(true),
+       at::ones({3, 2, 2}).to_sparse(1).coalesce(),
+       at::sparse_coo_tensor({5, 5}, at::kDouble)});
   corpus.push_back(
       {c10::List<int64_t>({1, 2, 3}),
        c10::List<double>(),
