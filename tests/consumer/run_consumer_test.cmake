@@ -3,10 +3,12 @@
 # fails the test with its output.
 #
 # Inputs: TORCHRPC_BUILD_DIR, CONSUMER_SOURCE_DIR, WORK_DIR, GENERATOR,
+# PUBLIC_HEADERS_FILE,
 # CXX_COMPILER, CXX_COMPILER_LAUNCHER (may be empty), BUILD_TYPE.
 cmake_minimum_required(VERSION 3.18)
 
-foreach(var TORCHRPC_BUILD_DIR CONSUMER_SOURCE_DIR WORK_DIR GENERATOR)
+foreach(var TORCHRPC_BUILD_DIR CONSUMER_SOURCE_DIR WORK_DIR GENERATOR
+    PUBLIC_HEADERS_FILE)
   if(NOT DEFINED ${var} OR "${${var}}" STREQUAL "")
     message(FATAL_ERROR "run_consumer_test.cmake: ${var} is not set")
   endif()
@@ -39,8 +41,18 @@ endfunction()
 step("install into ${prefix}" 60
   "${CMAKE_COMMAND}" --install "${TORCHRPC_BUILD_DIR}" --prefix "${prefix}")
 
-if(EXISTS "${prefix}/include/torchrpc/rpc/detail")
-  message(FATAL_ERROR "consumer test: private headers (rpc/detail/) were installed")
+# Exactly the public headers are installed (PUBLIC_HEADERS_FILE: what
+# torchrpc_add_layer() recorded), plus the umbrella.
+file(STRINGS "${PUBLIC_HEADERS_FILE}" expectedHeaders)
+list(APPEND expectedHeaders torchrpc.h)
+list(SORT expectedHeaders)
+file(GLOB_RECURSE installedHeaders RELATIVE "${prefix}/include/torchrpc"
+  "${prefix}/include/torchrpc/*")
+list(SORT installedHeaders)
+if(NOT installedHeaders STREQUAL expectedHeaders)
+  message(FATAL_ERROR
+    "consumer test: the installed headers are not the public ones.\n"
+    "installed: ${installedHeaders}\nexpected: ${expectedHeaders}")
 endif()
 
 set(configureArgs
