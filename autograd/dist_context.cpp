@@ -82,6 +82,25 @@ size_t DistContext::passCount() const {
   return passes_.size();
 }
 
+namespace {
+
+// Whether another tensor may read or write `grad`'s bytes: its storage has
+// another owner than `grad` itself and, for a view, than its base when
+// nothing else holds that base (a backward function's result is often a
+// view, such as the transpose of a matmul, whose base only it keeps).
+bool storageSeenElsewhere(const at::Tensor& grad) {
+  if (grad.layout() != at::kStrided || !grad.has_storage()) {
+    return false;
+  }
+  const auto owners = grad.storage().use_count();
+  if (grad.is_view()) {
+    return grad._base().use_count() > 1 || owners > 2;
+  }
+  return owners > 1;
+}
+
+} // namespace
+
 void DistContext::accumulateGradients(
     std::vector<std::pair<at::Tensor, at::Tensor>> gradients) {
   // See Note [Gradient ownership].
@@ -98,8 +117,13 @@ void DistContext::accumulateGradients(
     // `grad` is the one reference this function may count on; a dense
     // gradient sharing its storage with another tensor counts as seen by
     // someone else, so it is copied (rule 1).
-    const bool sharesStorage = grad.layout() == at::kStrided &&
-        grad.has_storage() && grad.storage().use_count() > 1;
+    const bool sharesStorage = storageSeenElsewhere(grad);
+    if (!buffer.defined() && !sharesStorage && grad.layout() == at::kStrided &&
+        grad.use_count() == 1 && grad.is_non_overlapping_and_dense()) {
+      // Rule 1's exception: taken even when strided unlike the leaf.
+      gradients_.insert_or_assign(leaf, grad.detach());
+      continue;
+    }
     const size_t expectedReferences = sharesStorage ? 0 : 1;
     torch::autograd::AccumulateGrad::accumulateGrad(
         leaf,

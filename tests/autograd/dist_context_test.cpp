@@ -60,6 +60,19 @@ TEST(DistContextOwnership, ASoleGradientIsTaken) {
   EXPECT_EQ(context.gradients().at(leaf).data_ptr(), data);
 }
 
+// The shape of every Linear layer's weight gradient: the transpose of a
+// matmul's result, a view whose base only it holds.
+TEST(DistContextOwnership, ATransposedGradientNobodyElseSeesIsTakenAsItIs) {
+  DistContext context(1, "worker0");
+  auto leaf = at::zeros({3, 2}).requires_grad_();
+  auto grad = at::arange(6, at::kFloat).reshape({2, 3}).t();
+  const void* data = grad.data_ptr();
+  accumulate(context, leaf, std::move(grad));
+  auto owned = context.gradients().at(leaf);
+  EXPECT_EQ(owned.data_ptr(), data);
+  EXPECT_TRUE(at::equal(owned, at::arange(6, at::kFloat).reshape({2, 3}).t()));
+}
+
 TEST(DistContextOwnership, AGradientStillHeldElsewhereIsCopied) {
   DistContext context(1, "worker0");
   auto leaf = at::zeros({3}).requires_grad_();
