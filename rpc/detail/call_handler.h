@@ -1,7 +1,7 @@
 #pragma once
 
-#include "torchrpc/rpc/request.h"
 #include "torchrpc/rpc/function_registry.h"
+#include "torchrpc/rpc/request.h"
 
 namespace torchrpc {
 namespace rpc {

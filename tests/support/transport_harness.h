@@ -1,7 +1,7 @@
 #pragma once
 
-// Harness for tests of Transport implementations (rpc/transport/transport.h): waits
-// with timeouts on what connections receive, accept and complete.
+// Harness for tests of Transport implementations (rpc/transport/transport.h):
+// waits with timeouts on what connections receive, accept and complete.
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>

@@ -11,10 +11,10 @@
 #include <utility>
 #include <vector>
 
+#include "tests/support/autograd_zoo.h"
 #include "torchrpc/autograd/backward.h"
 #include "torchrpc/autograd/context_container.h"
 #include "torchrpc/rpc/runtime.h"
-#include "tests/support/autograd_zoo.h"
 
 namespace torchrpc {
 namespace testing {

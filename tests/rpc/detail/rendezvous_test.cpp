@@ -8,8 +8,8 @@
 #include <future>
 #include <unistd.h>
 
-#include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
 #include "torchrpc/rpc/runtime.h"
+#include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
 
 namespace torchrpc {
 namespace {
