@@ -29,6 +29,24 @@ inline std::vector<at::Tensor> asWireTensors(
   return wire;
 }
 
+// Every dtype the codec sends.
+inline const std::vector<at::ScalarType>& wireDtypes() {
+  static const std::vector<at::ScalarType> dtypes = {
+      at::kBool,
+      at::kByte,
+      at::kChar,
+      at::kShort,
+      at::kInt,
+      at::kLong,
+      at::kHalf,
+      at::kBFloat16,
+      at::kFloat,
+      at::kDouble,
+      at::kComplexFloat,
+      at::kComplexDouble};
+  return dtypes;
+}
+
 } // namespace harness
 } // namespace rpc
 } // namespace torchrpc

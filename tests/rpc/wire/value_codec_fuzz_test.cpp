@@ -103,19 +103,7 @@ std::vector<Seed> makeSeeds(const std::vector<ValueExtension>& extensions) {
   std::vector<std::vector<c10::IValue>> corpus;
   corpus.push_back({c10::IValue(), true, int64_t(-5), 2.5, std::string("s")});
   corpus.push_back({c10::complex<double>(1, 2), c10::Device(c10::kCPU)});
-  for (auto dtype :
-       {at::kBool,
-        at::kByte,
-        at::kChar,
-        at::kShort,
-        at::kInt,
-        at::kLong,
-        at::kHalf,
-        at::kBFloat16,
-        at::kFloat,
-        at::kDouble,
-        at::kComplexFloat,
-        at::kComplexDouble}) {
+  for (auto dtype : harness::wireDtypes()) {
     corpus.push_back({at::ones({2, 3}, dtype), at::empty({0, 4}, dtype)});
   }
   corpus.push_back({at::randn({3, 2}).t().requires_grad_(true)});

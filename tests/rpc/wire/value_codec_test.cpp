@@ -22,6 +22,7 @@ namespace detail {
 namespace {
 
 using harness::asWireTensors;
+using harness::wireDtypes;
 
 // The values nest about three protobuf messages per level (Value, DictValue,
 // DictEntry), beyond protobuf's default recursion limit of 100.
@@ -191,23 +192,6 @@ c10::IValue nestedLists(int levels, c10::IValue inner) {
     inner = c10::IValue(std::move(list));
   }
   return inner;
-}
-
-const std::vector<at::ScalarType>& wireDtypes() {
-  static const std::vector<at::ScalarType> dtypes = {
-      at::kBool,
-      at::kByte,
-      at::kChar,
-      at::kShort,
-      at::kInt,
-      at::kLong,
-      at::kHalf,
-      at::kBFloat16,
-      at::kFloat,
-      at::kDouble,
-      at::kComplexFloat,
-      at::kComplexDouble};
-  return dtypes;
 }
 
 at::Tensor sampleTensor(at::ScalarType dtype) {
