@@ -80,6 +80,25 @@ std::string argumentTypeNames(std::index_sequence<I...>) {
   return out;
 }
 
+// Throws RpcError(kBadArguments) if args[index] does not fit T.
+template <typename T>
+void checkArgument(
+    const std::string& name,
+    const std::string& signature,
+    const std::vector<c10::IValue>& args,
+    size_t index) {
+  if (!ValueTraits<T>::accepts(args[index])) {
+    throw RpcError(
+        ErrorCode::kBadArguments,
+        "",
+        name,
+        0,
+        "argument " + std::to_string(index + 1) + " has type " +
+            describeValue<T>(args[index]) + ", expected " + typeName<T>() +
+            " (" + signature + ")");
+  }
+}
+
 template <typename Args, size_t... I>
 void checkArguments(
     const std::string& name,
@@ -95,24 +114,7 @@ void checkArguments(
         "expects " + std::to_string(sizeof...(I)) + " argument(s) (" +
             signature + "), got " + std::to_string(args.size()));
   }
-  auto checkOne = [&](size_t index, bool ok, const std::string& expected) {
-    if (!ok) {
-      throw RpcError(
-          ErrorCode::kBadArguments,
-          "",
-          name,
-          0,
-          "argument " + std::to_string(index + 1) + " has type " +
-              typeName(args[index]) + ", expected " + expected + " (" +
-              signature + ")");
-    }
-  };
-  (void)checkOne; // unused when the function takes no arguments
-  (checkOne(
-       I,
-       ValueTraits<std::tuple_element_t<I, Args>>::accepts(args[I]),
-       typeName<std::tuple_element_t<I, Args>>()),
-   ...);
+  (checkArgument<std::tuple_element_t<I, Args>>(name, signature, args, I), ...);
 }
 
 // Runs fn on converted arguments and turns its outcome into a future.
@@ -174,9 +176,12 @@ class FunctionRegistry {
   // signature and checked on every call. Supported types: at::Tensor, bool,
   // integers, floating types, std::string, c10::Device, std::vector<T>,
   // c10::optional<T>, std::tuple<...>, c10::List<T>, c10::Dict<K, V>,
-  // std::unordered_map<K, V>, c10::IValue (anything). A callable may return
-  // Future<T> (or a c10::ivalue::Future) to run asynchronously: the server
-  // thread is released at once and the reply goes out when it completes.
+  // std::unordered_map<K, V>, c10::IValue (anything), and an upper layer's
+  // types with their own ValueTraits (RRef<T>), also inside the std::
+  // containers and c10::optional (see Note [Values in containers] in
+  // rpc/value_types.h). A callable may return Future<T> (or a
+  // c10::ivalue::Future) to run asynchronously: the server thread is
+  // released at once and the reply goes out when it completes.
   // Throws c10::Error if the name is empty or already registered.
   template <typename F>
   void add(const std::string& name, F&& fn) {

@@ -36,8 +36,8 @@ T convertResult(
           worker,
           function,
           0,
-          "result has type " + typeName(value) + ", the caller expects " +
-              typeName<T>());
+          "result has type " + describeValue<T>(value) +
+              ", the caller expects " + typeName<T>());
     }
     return ValueTraits<T>::from(std::move(value));
   }

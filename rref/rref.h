@@ -63,7 +63,9 @@ class RRef {
     auto handle = detail::handleOf(value);
     TORCH_CHECK(
         handle,
-        "expected an RRef, got a value of type ",
+        value.isRRef() ? "expected an RRef that torchrpc created, got "
+                         "another library's (or an empty) "
+                       : "expected an RRef, got a value of type ",
         rpc::detail::typeName(value));
     TORCH_CHECK(
         typeMatches(*handle),
@@ -251,21 +253,51 @@ namespace torchrpc {
 namespace rpc {
 namespace detail {
 
-// RRef<T> as an argument or result of registered functions and calls.
+// RRef<T> as an argument or result of registered functions and calls, also
+// inside std::vector, c10::optional, std::tuple and std::unordered_map (see
+// Note [Values in containers] in rpc/value_types.h). Its values are checked
+// one by one: an IValue of type RRef[T] may hold an RRef that torchrpc did
+// not create (PyTorch's own) or none at all.
 template <typename T>
 struct ValueTraits<rref::RRef<T>> {
   static c10::TypePtr type() {
-    return c10::RRefType::create(ValueTraits<T>::type());
+    static const c10::TypePtr type =
+        c10::RRefType::create(ValueTraits<T>::type());
+    return type;
   }
   static bool accepts(const c10::IValue& value) {
     auto handle = rref::detail::handleOf(value);
     return handle && rref::RRef<T>::typeMatches(*handle);
   }
-  static rref::RRef<T> from(c10::IValue&& value) {
-    return rref::RRef<T>(rref::detail::handleOf(value));
+  static std::string explain(const c10::IValue& value) {
+    // Otherwise the type name says it: "int", "RRef[int]", "RRef (empty)".
+    if (!value.isRRef() || !value.toRRef() || rref::detail::handleOf(value)) {
+      return "";
+    }
+    return "an RRef that torchrpc did not create";
   }
+  // Throws c10::Error for a value accepts() refuses.
+  static rref::RRef<T> from(c10::IValue&& value) {
+    auto handle = rref::detail::handleOf(value);
+    TORCH_CHECK(
+        handle,
+        "expected an ",
+        type()->annotation_str(),
+        " created by torchrpc, got a value of type ",
+        describeValue<rref::RRef<T>>(value));
+    TORCH_CHECK(
+        rref::RRef<T>::typeMatches(*handle),
+        "expected an ",
+        type()->annotation_str(),
+        ", got an RRef[",
+        handle->type()->annotation_str(),
+        "]");
+    return rref::RRef<T>(std::move(handle));
+  }
+  // An empty RRef travels as None: a c10::optional<RRef<T>> receives
+  // nullopt, an RRef<T> refuses it with kBadArguments.
   static c10::IValue toIValue(const rref::RRef<T>& value) {
-    return value.toIValue();
+    return value.defined() ? value.toIValue() : c10::IValue();
   }
 };
 
