@@ -140,6 +140,18 @@ class RRef {
         "RRef.localValue");
   }
 
+  // Replaces the value; only on the owner, once the value exists (throws
+  // c10::Error elsewhere). Later uses (localValue, toHere, calls on the
+  // owner) see `value`; uses already running keep the value they read. The
+  // DistributedOptimizer publishes each new version of a parameter this way
+  // (see Note [Parameters updated while backward passes are pending] in
+  // autograd/parameter_versions.h).
+  void setLocalValue(T value) const {
+    auto context = detail::contextOf(handle());
+    TORCH_CHECK(context, "the runtime of this RRef is gone");
+    context->setLocalValue(handle(), rpc::detail::toIValue(std::move(value)));
+  }
+
   // Runs the registered function `function` on the owner with the value
   // itself (not a copy) as its first argument: function(value, args...).
   template <typename R, typename... Args>

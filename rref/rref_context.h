@@ -175,6 +175,11 @@ class RRefContext : public rpc::RuntimeLayer,
   // c10::Error on a user, the creation error if it failed.
   c10::IValue localValue(const detail::RRefHandle& handle);
 
+  // Replaces the value, on the owner, once it was created: later uses read
+  // `value`, uses already running keep the value they read. Throws c10::Error
+  // on a user, before the value exists, or if creating it failed.
+  void setLocalValue(const detail::RRefHandle& handle, c10::IValue value);
+
   std::chrono::milliseconds defaultTimeout() const;
   const rpc::WorkerInfo& self() const;
 

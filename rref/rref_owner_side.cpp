@@ -54,7 +54,7 @@ FuturePtr RRefContext::onRemote(rpc::Request&& request) {
             " gave up on it before its creation arrived"));
   } else if (receiver) {
     result = invokeOnValue(
-        receiver->value,
+        receiver->current(),
         message.function(),
         std::move(request.values));
   } else {
@@ -87,7 +87,7 @@ FuturePtr RRefContext::onCallOn(rpc::Request&& request) {
     record = recordLocked(rref); // R6: may wait for the value
   }
   return invokeOnValue(
-      record->value,
+      record->current(),
       message.function(),
       std::move(request.values));
 }
@@ -102,7 +102,7 @@ FuturePtr RRefContext::onFetch(rpc::Request&& request) {
     record = recordLocked(rref); // R6: may wait for the value
   }
   // The response is the copy: the codec writes the value's bytes.
-  return record->value;
+  return record->current();
 }
 
 FuturePtr RRefContext::onForkNotify(rpc::Request&& request) {

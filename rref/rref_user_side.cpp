@@ -62,7 +62,7 @@ c10::intrusive_ptr<RRefHandle> RRefContext::remote(
           0,
           "the runtime has shut down"));
     } else if (receiver != nullptr) {
-      result = invokeOnValue(receiver->record()->value, function, args);
+      result = invokeOnValue(receiver->record()->current(), function, args);
     } else {
       result = runtime_.invokeLocal(function, std::move(args));
     }
@@ -235,7 +235,7 @@ FuturePtr RRefContext::toHere(
   if (handle.isOwner()) {
     auto out = newFuture();
     std::string selfName = self_.name;
-    handle.record()->value->addCallback(
+    handle.record()->current()->addCallback(
         [out, selfName](c10::ivalue::Future& value) {
           if (value.hasError()) {
             out->setError(value.exception_ptr());
@@ -289,7 +289,7 @@ FuturePtr RRefContext::callOn(
           0,
           "the runtime has shut down"));
     }
-    return invokeOnValue(handle.record()->value, function, std::move(args));
+    return invokeOnValue(handle.record()->current(), function, std::move(args));
   }
   const auto& fork = handle.fork();
   if (auto error = creationError(*fork)) {
@@ -326,12 +326,33 @@ c10::IValue RRefContext::localValue(const RRefHandle& handle) {
       " is owned by '",
       handle.ownerName(),
       "'; use toHere() for a copy");
-  const auto& value = handle.record()->value;
+  const auto value = handle.record()->current();
   value->wait();
   if (value->hasError()) {
     std::rethrow_exception(value->exception_ptr());
   }
   return value->value();
+}
+
+void RRefContext::setLocalValue(const RRefHandle& handle, c10::IValue value) {
+  TORCH_CHECK(
+      handle.isOwner(),
+      "setLocalValue() on '",
+      self_.name,
+      "': ",
+      describe(handle.id()),
+      " is owned by '",
+      handle.ownerName(),
+      "'");
+  const auto& created = handle.record()->value;
+  TORCH_CHECK(
+      created->completed() && !created->hasError(),
+      "setLocalValue() on '",
+      self_.name,
+      "': ",
+      describe(handle.id()),
+      created->completed() ? " failed to be created" : " is not created yet");
+  handle.record()->replace(std::move(value));
 }
 
 FuturePtr RRefContext::invokeOnValue(

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <mutex>
 #include <unordered_set>
 
 #include "torchrpc/rref/rref_id.h"
@@ -24,13 +25,31 @@ struct OwnerRecord {
 
   const RRefId id;
   // Completes with the value, or with the error that creating it raised.
+  // Creation and confirmation wait on it; uses of the value read current().
   const c10::intrusive_ptr<c10::ivalue::Future> value;
+
+  // What uses of the value read: `value`, or the last replacement
+  // (RRefContext::setLocalValue). Uses already running keep what they read.
+  c10::intrusive_ptr<c10::ivalue::Future> current() const {
+    std::lock_guard<std::mutex> guard(replacedMutex);
+    return replaced ? replaced : value;
+  }
+  void replace(c10::IValue newValue) {
+    auto ready = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+    ready->markCompleted(std::move(newValue));
+    std::lock_guard<std::mutex> guard(replacedMutex);
+    replaced = std::move(ready);
+  }
 
   // Guarded by the context's mutex.
   std::unordered_set<ForkId, GlobalIdHash> forks;
   // Creation has started (a kRemote arrived, or the value is local).
   bool creating = false;
   bool inTable = false;
+
+ private:
+  mutable std::mutex replacedMutex;
+  c10::intrusive_ptr<c10::ivalue::Future> replaced;
 };
 
 // A fork this worker holds as a user.
