@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "torchrpc/autograd/dist_context.h"
+#include "torchrpc/autograd/parameter_versions.h"
 #include "torchrpc/rpc/runtime.h"
 #include "torchrpc/rpc/runtime_layer.h"
 
@@ -104,6 +105,12 @@ class ContextContainer : public rpc::RuntimeLayer,
     return *engine_;
   }
 
+  // The versions of the parameters updated on this worker (see
+  // Note [Parameters updated while backward passes are pending]).
+  ParameterVersions& parameterVersions() {
+    return parameterVersions_;
+  }
+
   // The context the calling thread's messages belong to (see the Note),
   // or -1.
   int64_t currentContextId() const;
@@ -151,6 +158,7 @@ class ContextContainer : public rpc::RuntimeLayer,
   rpc::Runtime& runtime_;
   rpc::Agent& agent_;
   std::shared_ptr<DistEngine> engine_;
+  ParameterVersions parameterVersions_;
   const int64_t selfId_;
   mutable std::atomic<int64_t> nextContextId_{1};
   mutable std::atomic<int64_t> nextMessageId_{1};
