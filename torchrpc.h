@@ -15,6 +15,9 @@
 #include "torchrpc/autograd/backward.h"
 #include "torchrpc/autograd/context.h"
 #include "torchrpc/autograd/context_container.h"
+#include "torchrpc/optim/distributed_optimizer.h"
+#include "torchrpc/optim/lr_scheduler.h"
+#include "torchrpc/optim/optimizer_options.h"
 #include "torchrpc/rpc/errors.h"
 #include "torchrpc/rpc/function_registry.h"
 #include "torchrpc/rpc/future.h"
@@ -38,7 +41,9 @@ class Runtime : public rpc::Runtime {
   Runtime(std::string name, Options options)
       : rpc::Runtime(std::move(name), std::move(options)),
         rrefs_(rref::RRefContext::install(*this)),
-        autogradContexts_(autograd::ContextContainer::install(*this)) {}
+        autogradContexts_(autograd::ContextContainer::install(*this)) {
+    optim::installOwnerSide(*this);
+  }
 
   // Runs `function` on `to`, which owns the result; see rref::remote().
   template <typename T, typename... Args>
