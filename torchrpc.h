@@ -15,6 +15,8 @@
 #include "torchrpc/autograd/backward.h"
 #include "torchrpc/autograd/context.h"
 #include "torchrpc/autograd/context_container.h"
+#include "torchrpc/nn/module_registry.h"
+#include "torchrpc/nn/remote_module.h"
 #include "torchrpc/optim/distributed_optimizer.h"
 #include "torchrpc/optim/lr_scheduler.h"
 #include "torchrpc/optim/optimizer_options.h"
