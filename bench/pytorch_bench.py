@@ -1,9 +1,10 @@
 #!/usr/bin/python3
 """PyTorch RPC baseline benchmark: runs ONE workload on torch.distributed.rpc.
 
-Two worker processes ("worker0", "worker1") are spawned on loopback with the
-default TensorPipe backend options (only MASTER_ADDR/MASTER_PORT are set, as a
-user would). worker0 drives the workload, worker1 serves. The parent process
+Two worker processes ("worker0", "worker1"; three with "worker2" for
+dist_optimizer_step) are spawned on loopback with the default TensorPipe
+backend options (only MASTER_ADDR/MASTER_PORT are set, as a user would).
+worker0 drives the workload, the others serve. The parent process
 collects the result and prints exactly one JSON line on stdout:
 
   {"workload": W, "metric": M, "unit": U, "value": x, "better": "lower"|"higher"}
@@ -37,6 +38,12 @@ WORKLOADS = {
     "remote_to_here_rtt": ("median_rtt", "us", "lower"),
     "rref_create_delete_per_s": ("rate", "rrefs/s", "higher"),
     "dist_autograd_overhead": ("overhead_per_iter", "us", "lower"),
+    "dist_optimizer_step": ("median_step", "us", "lower"),
+}
+
+# Workers per workload (worker0 drives); 2 unless listed.
+WORLD_SIZE = {
+    "dist_optimizer_step": 3,  # worker1 and worker2 own the parameters
 }
 
 # Iteration counts: (normal, quick). Documented in bench/README.md.
@@ -49,10 +56,19 @@ ITERS = {
     "remote_to_here_rtt": {"warmup": (200, 50), "n": (2000, 500)},
     "rref_create_delete_per_s": {"warmup": (640, 128), "n": (6400, 1280)},
     "dist_autograd_overhead": {"warmup": (20, 5), "n": (200, 40)},
+    # n timed steps, or fewer once the timed iterations took max_s seconds.
+    "dist_optimizer_step": {"warmup": (20, 5), "n": (500, 100), "max_s": (30.0, 8.0)},
 }
 WINDOW = 64  # outstanding calls / RRef batch size
+OPTIM_OWNERS = ("worker1", "worker2")  # dist_optimizer_step
+OPTIM_PARAMS_PER_OWNER = 50
+OPTIM_PARAM_NUMEL = 1024
 
 MiB = 1 << 20
+
+
+def world_size(workload):
+    return WORLD_SIZE.get(workload, 2)
 
 
 def _it(workload, key, quick):
@@ -99,6 +115,21 @@ def model_forward(model_rref, x):
 
 def noop():
     return None
+
+
+_OWNED_PARAMS = []  # dist_optimizer_step: the parameter RRefs this worker owns
+
+
+def make_param():
+    """dist_optimizer_step: one parameter (1024 float32), owned here."""
+    rref = torch.distributed.rpc.RRef(torch.randn(OPTIM_PARAM_NUMEL, requires_grad=True))
+    _OWNED_PARAMS.append(rref)
+    return rref
+
+
+def sum_params():
+    """dist_optimizer_step forward: the sum of every parameter this worker owns."""
+    return torch.stack([rref.local_value() for rref in _OWNED_PARAMS]).sum()
 
 
 # ---------------------------------------------------------------------------
@@ -286,6 +317,39 @@ def run_dist_autograd(quick, ctx):
     return statistics.median(b - a for a, b in zip(local, dist)) / 1e3
 
 
+def run_dist_optimizer_step(quick, ctx):
+    """Adam over 2 owners x 50 parameters; only opt.step(cid) is timed."""
+    rpc = torch.distributed.rpc
+    import torch.distributed.autograd as dist_autograd
+    from torch.distributed.optim import DistributedOptimizer
+    wl = "dist_optimizer_step"
+    params = [rpc.rpc_sync(owner, make_param)
+              for owner in OPTIM_OWNERS for _ in range(OPTIM_PARAMS_PER_OWNER)]
+    # PyTorch swaps in its TorchScript functional Adam on the owners.
+    opt = DistributedOptimizer(torch.optim.Adam, params, lr=1e-3)
+    log(f"functional optimizer on the owners: {opt.is_functional_optim}")
+
+    def it():
+        with dist_autograd.context() as cid:
+            loss = rpc.rpc_sync(OPTIM_OWNERS[0], sum_params)
+            for owner in OPTIM_OWNERS[1:]:
+                loss = loss + rpc.rpc_sync(owner, sum_params)
+            dist_autograd.backward(cid, [loss])
+            t0 = _ns()
+            opt.step(cid)
+            return _ns() - t0
+
+    for _ in range(_it(wl, "warmup", quick)):
+        it()
+    n = _it(wl, "n", quick)
+    end = time.monotonic() + _it(wl, "max_s", quick)
+    samples = []
+    while len(samples) < n and (not samples or time.monotonic() < end):
+        samples.append(it())
+    _log_dist("step", samples)
+    return statistics.median(samples) / 1e3
+
+
 DRIVERS = {
     "call_rtt_1elem": run_call_rtt,
     "calls_per_s_64_outstanding": run_calls_per_s,
@@ -295,6 +359,7 @@ DRIVERS = {
     "remote_to_here_rtt": run_remote_to_here,
     "rref_create_delete_per_s": run_rref_churn,
     "dist_autograd_overhead": run_dist_autograd,
+    "dist_optimizer_step": run_dist_optimizer_step,
 }
 
 
@@ -329,7 +394,8 @@ def worker_main(rank, workload, quick, result_q, ready_q, release_ev):
         if os.environ.get("PYTORCH_BENCH_TP_TRANSPORTS"):
             opts = rpc.TensorPipeRpcBackendOptions(
                 _transports=os.environ["PYTORCH_BENCH_TP_TRANSPORTS"].split(","))
-        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size(workload),
+                     rpc_backend_options=opts)
         if rank == 0:
             value = DRIVERS[workload](quick, ctx)
         if workload == "idle_cpu_cores":
@@ -428,7 +494,7 @@ def main():
     release_ev = mpc.Event()
     procs = [mpc.Process(target=worker_main, name=f"worker{r}",
                          args=(r, wl, args.quick, result_q, ready_q, release_ev))
-             for r in range(2)]
+             for r in range(world_size(wl))]
     deadline = time.monotonic() + timeout
     value = None
     error = None
@@ -439,7 +505,7 @@ def main():
 
         if wl == "idle_cpu_cores":
             got = set()
-            while len(got) < 2:
+            while len(got) < len(procs):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError("workers never became ready")
@@ -449,7 +515,7 @@ def main():
                     if any(p.exitcode is not None for p in procs):
                         break
                     continue
-            if len(got) == 2:
+            if len(got) == len(procs):
                 idle_s = _it(wl, "idle_s", args.quick)
                 pids = [p.pid for p in procs]
                 th0 = {pid: thread_runtimes(pid) for pid in pids}

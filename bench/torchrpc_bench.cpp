@@ -1,5 +1,6 @@
 // The torchrpc side of bench/compare: runs one workload with two worker
-// processes on loopback and prints one JSON line,
+// processes (three for dist_optimizer_step) on loopback and prints one JSON
+// line,
 //   {"workload": W, "metric": M, "unit": U, "value": x, "better": B}
 // Each workload mirrors bench/pytorch_bench.py exactly (see bench/README.md).
 //
@@ -24,6 +25,8 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <memory>
+#include <mutex>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -78,12 +81,17 @@ Settings parse(int argc, char** argv) {
   return s;
 }
 
+// Workers of a workload: worker0 drives, the others serve.
+int worldSize(const std::string& workload) {
+  return workload == "dist_optimizer_step" ? 3 : 2;
+}
+
 // TORCHRPC_* variables (threads, spin, ...) apply; the job's shape and the
 // rendezvous are the benchmark's own.
 Options workerOptions(int rank, const Settings& s, const std::string& store) {
   Options o = Options::fromEnvironment();
   o.rank = rank;
-  o.worldSize = 2;
+  o.worldSize = worldSize(s.workload);
   o.initMethod = "file://" + store;
   if (s.transport == "tcp") {
     o.transport = torchrpc::rpc::TransportKind::kTcp;
@@ -350,6 +358,97 @@ double distAutogradOverhead(Runtime& rt, bool quick) {
   return median(differences);
 }
 
+// ---- dist_optimizer_step ---------------------------------------------------
+
+const std::vector<std::string> kOptimOwners = {"worker1", "worker2"};
+constexpr int kOptimParamsPerOwner = 50;
+constexpr int64_t kOptimParamNumel = 1024;
+
+// On each owner: make_param creates one parameter there and keeps its owner
+// RRef; sum_params, the forward, sums every parameter the worker owns. It
+// reads each through localValue() at every call: a step publishes each
+// parameter as a new tensor.
+void registerParameters(Runtime& rt) {
+  struct Owned {
+    std::mutex mutex;
+    std::vector<RRef<at::Tensor>> parameters;
+  };
+  auto owned = std::make_shared<Owned>();
+  rt.functions().add("make_param", [&rt, owned]() {
+    auto parameter =
+        rt.makeRRef(at::randn({kOptimParamNumel}).requires_grad_());
+    std::lock_guard<std::mutex> guard(owned->mutex);
+    owned->parameters.push_back(parameter);
+    return parameter;
+  });
+  rt.functions().add("sum_params", [owned]() {
+    std::vector<at::Tensor> values;
+    {
+      std::lock_guard<std::mutex> guard(owned->mutex);
+      for (const auto& parameter : owned->parameters) {
+        values.push_back(parameter.localValue());
+      }
+    }
+    return at::stack(values).sum();
+  });
+}
+
+// Adam over 2 owners x 50 parameters: each iteration runs a forward (one
+// call per owner) and a backward in a fresh context; only opt.step() is
+// timed.
+double distOptimizerStep(Runtime& rt, bool quick) {
+  std::vector<RRef<at::Tensor>> parameters;
+  for (const auto& owner : kOptimOwners) {
+    for (int i = 0; i < kOptimParamsPerOwner; ++i) {
+      parameters.push_back(rt.rpcSync<RRef<at::Tensor>>(owner, "make_param"));
+    }
+  }
+  torchrpc::optim::DistributedOptimizer opt(
+      rt,
+      parameters,
+      torch::optim::AdamOptions(1e-3));
+  auto iteration = [&]() {
+    torchrpc::autograd::Context context(rt);
+    auto loss = rt.rpcSync<at::Tensor>(kOptimOwners[0], "sum_params");
+    for (size_t i = 1; i < kOptimOwners.size(); ++i) {
+      loss = loss + rt.rpcSync<at::Tensor>(kOptimOwners[i], "sum_params");
+    }
+    context.backward({loss});
+    auto start = Clock::now();
+    opt.step(context.id());
+    return microsSince(start);
+  };
+  int warmup = quick ? 5 : 20;
+  int timed = quick ? 100 : 500;
+  // Fewer steps once the timed iterations took this long.
+  auto limit = std::chrono::seconds(quick ? 8 : 30);
+  for (int i = 0; i < warmup; ++i) {
+    iteration();
+  }
+  std::vector<double> times;
+  times.reserve(timed);
+  auto end = Clock::now() + limit;
+  while (static_cast<int>(times.size()) < timed &&
+         (times.empty() || Clock::now() < end)) {
+    times.push_back(iteration());
+  }
+  std::vector<double> sorted = times;
+  std::sort(sorted.begin(), sorted.end());
+  auto percentile = [&sorted](double q) {
+    return sorted[std::min(
+        sorted.size() - 1,
+        static_cast<size_t>(q * sorted.size()))];
+  };
+  std::cerr << "step: n=" << sorted.size() << " min=" << sorted.front()
+            << " p10=" << percentile(0.1) << " median=" << median(times)
+            << " p90=" << percentile(0.9) << " p99=" << percentile(0.99)
+            << " max=" << sorted.back() << " (us)\n";
+  auto counts = opt.stepCounts();
+  std::cerr << "steps applied: " << counts.at(0) << " on " << kOptimOwners[0]
+            << ", " << counts.at(1) << " on " << kOptimOwners[1] << "\n";
+  return median(times);
+}
+
 // CPU seconds (user + sys, all threads) a process has used.
 double cpuSeconds(pid_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
@@ -403,6 +502,9 @@ int runWorker(
   if (s.workload == "dist_autograd_overhead" && rank == 1) {
     registerModel(rt);
   }
+  if (s.workload == "dist_optimizer_step" && rank > 0) {
+    registerParameters(rt);
+  }
   rt.start();
   if (s.workload == "idle_cpu_cores") {
     if (rank == 0) {
@@ -428,6 +530,8 @@ int runWorker(
       value = rrefsPerSecond(rt, s.quick);
     } else if (s.workload == "dist_autograd_overhead") {
       value = distAutogradOverhead(rt, s.quick);
+    } else if (s.workload == "dist_optimizer_step") {
+      value = distOptimizerStep(rt, s.quick);
     }
     writeAll(resultFd, &value, sizeof(value));
   }
@@ -447,6 +551,7 @@ int main(int argc, char** argv) {
       {"remote_to_here_rtt", {"median_rtt", "us", "lower"}},
       {"rref_create_delete_per_s", {"rate", "rrefs/s", "higher"}},
       {"dist_autograd_overhead", {"overhead_per_iter", "us", "lower"}},
+      {"dist_optimizer_step", {"median_step", "us", "lower"}},
   };
   auto known =
       std::find_if(kWorkloads.begin(), kWorkloads.end(), [&](const auto& w) {
@@ -466,8 +571,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::fflush(nullptr);
-  pid_t pids[2];
-  for (int rank = 0; rank < 2; ++rank) {
+  std::vector<pid_t> pids(worldSize(s.workload));
+  for (int rank = 0; rank < static_cast<int>(pids.size()); ++rank) {
     pids[rank] = ::fork();
     if (pids[rank] == 0) {
       int code = 1;
@@ -482,6 +587,9 @@ int main(int argc, char** argv) {
   }
   auto killAll = [&]() {
     for (pid_t pid : pids) {
+      if (pid <= 0) {
+        continue; // a failed fork: kill(-1) or kill(0) would hit others
+      }
       ::kill(pid, SIGKILL);
       ::waitpid(pid, nullptr, 0);
     }
