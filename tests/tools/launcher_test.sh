@@ -71,6 +71,35 @@ expect_workers_gone() {
   done
 }
 
+# forward_signal NAME EXIT_CODE: the launcher, with two workers waiting,
+# gets SIGNAME; each worker must get it and the launcher exit once they did.
+forward_signal() {
+  local name="$1"
+  local start=${SECONDS}
+  timeout -k 5 30 "${launcher}" --nproc-per-node 2 -- "${worker}" \
+    wait-for-signal >"${out}" 2>"${err}" &
+  launcher_pid=$!
+  for _ in $(seq 100); do
+    [[ $(grep -c 'ready' "${out}") -eq 2 ]] && break
+    sleep 0.1
+  done
+  [[ $(grep -c 'ready' "${out}") -eq 2 ]] || fail "workers never got ready"
+  # timeout(1) runs the launcher as its child; signal the launcher itself.
+  local real_launcher
+  real_launcher=$(ps -o pid= --ppid "${launcher_pid}" | head -1 | tr -d ' ')
+  [[ -n "${real_launcher}" ]] || fail "no launcher process under timeout"
+  kill -"${name}" "${real_launcher}"
+  wait "${launcher_pid}"
+  rc=$?
+  launcher_pid=""
+  expect_rc "$2"
+  expect_line "${out}" "[rank 0]: rank 0 got SIG${name}"
+  expect_line "${out}" "[rank 1]: rank 1 got SIG${name}"
+  expect_match "${err}" "got SIG${name}, forwarding it to the workers"
+  [[ $((SECONDS - start)) -lt 15 ]] || fail "took too long"
+  expect_workers_gone
+}
+
 case "${case_name}" in
   SetsTorchrunsEnvironment)
     run 30 --nnodes 2 --node-rank 1 --nproc_per_node 2 \
@@ -82,6 +111,16 @@ case "${case_name}" in
       expect_line "${out}" "[rank ${rank}]: RANK=${rank} LOCAL_RANK=${local} WORLD_SIZE=4 LOCAL_WORLD_SIZE=2 GROUP_RANK=1 MASTER_ADDR=10.9.8.7 MASTER_PORT=1234 TORCHELASTIC_RESTART_COUNT=0 TORCHELASTIC_MAX_RESTARTS=0 TORCHELASTIC_RUN_ID=job42 "
     done
     [[ $(wc -l <"${out}") -eq 2 ]] || fail "expected 2 lines"
+    # torchrun's defaults.
+    run 30 -- "${worker}" env
+    expect_rc 0
+    expect_line "${out}" "[rank 0]: RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 GROUP_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 TORCHELASTIC_RESTART_COUNT=0 TORCHELASTIC_MAX_RESTARTS=0 TORCHELASTIC_RUN_ID=none "
+    ;;
+  IsolatesEachWorker)
+    run 30 --nproc-per-node 2 -- "${worker}" isolation
+    expect_rc 0
+    expect_line "${out}" "[rank 0]: stdin=/dev/null own-group=yes"
+    expect_line "${out}" "[rank 1]: stdin=/dev/null own-group=yes"
     ;;
   StandalonePicksAFreeLocalPort)
     run 30 --standalone --nproc-per-node 2 "${worker}" env
@@ -168,28 +207,10 @@ case "${case_name}" in
     expect_workers_gone
     ;;
   ForwardsSigintAndExitsWhenWorkersAreGone)
-    start=${SECONDS}
-    timeout -k 5 30 "${launcher}" --nproc-per-node 2 -- "${worker}" \
-      wait-for-sigint >"${out}" 2>"${err}" &
-    launcher_pid=$!
-    # timeout(1) runs the launcher as its child; signal the launcher itself.
-    for _ in $(seq 100); do
-      [[ $(grep -c 'ready' "${out}") -eq 2 ]] && break
-      sleep 0.1
-    done
-    [[ $(grep -c 'ready' "${out}") -eq 2 ]] || fail "workers never got ready"
-    real_launcher=$(pgrep -P "${launcher_pid}" | head -1)
-    [[ -n "${real_launcher}" ]] || fail "no launcher process under timeout"
-    kill -INT "${real_launcher}"
-    wait "${launcher_pid}"
-    rc=$?
-    launcher_pid=""
-    expect_rc 130
-    expect_line "${out}" "[rank 0]: rank 0 got SIGINT"
-    expect_line "${out}" "[rank 1]: rank 1 got SIGINT"
-    expect_match "${err}" 'got SIGINT, forwarding it to the workers'
-    [[ $((SECONDS - start)) -lt 15 ]] || fail "took too long"
-    expect_workers_gone
+    forward_signal INT 130
+    ;;
+  ForwardsSigtermAndExitsWhenWorkersAreGone)
+    forward_signal TERM 143
     ;;
   RefusesBadUsage)
     run 10 --nproc-per-node 2

@@ -23,6 +23,12 @@ case "$1" in
     done
     echo
     ;;
+  isolation)
+    # stdin, and whether this worker leads a process group of its own.
+    own=no
+    [[ "$(ps -o pgid= -p $$ | tr -d ' ')" == "$$" ]] && own=yes
+    echo "stdin=$(readlink /proc/$$/fd/0) own-group=${own}"
+    ;;
   chatty)
     # Three lines out, two err, the last of each without a newline, written
     # in pieces.
@@ -73,8 +79,9 @@ case "$1" in
     fi
     sleep_long
     ;;
-  wait-for-sigint)
+  wait-for-signal)
     trap 'echo "rank ${rank} got SIGINT"; exit 0' INT
+    trap 'echo "rank ${rank} got SIGTERM"; exit 0' TERM
     echo "ready"
     sleep_long
     ;;
