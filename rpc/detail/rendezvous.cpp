@@ -185,7 +185,11 @@ Rendezvous::Rendezvous(
   // rank takes the next start number, so a reused store never shows this
   // start the keys of an earlier one; ranks of one generation start the
   // same number of times, so they agree on it.
-  std::string restart = "torchrpc/restart" + std::to_string(restartCount);
+  // Generation 0 keeps the layout from before restarts were numbered, which
+  // tests and tools that inspect a store rely on.
+  std::string restart = restartCount == 0
+      ? std::string("torchrpc")
+      : "torchrpc/restart" + std::to_string(restartCount);
   int64_t generation =
       store_->add(restart + "/generation/" + std::to_string(rank_), 1);
   prefix_ = restart + "/" + std::to_string(generation) + "/";

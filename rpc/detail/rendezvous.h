@@ -32,10 +32,10 @@ struct JobLayout {
 };
 
 // Note [Rendezvous keys]
-// Keys live under "torchrpc/restart<R>/<S>/", where R is the group's restart
-// generation (torchrun's TORCHELASTIC_RESTART_COUNT) and S counts the starts
-// of this rank within generation R (a store key per rank, incremented by
-// add()). Guarantees:
+// Keys live under "torchrpc/restart<R>/<S>/" ("torchrpc/<S>/" for R = 0),
+// where R is the group's restart generation (torchrun's
+// TORCHELASTIC_RESTART_COUNT) and S counts the starts of this rank within
+// generation R (a store key per rank, incremented by add()). Guarantees:
 //  1. A store reused by a later start in the same process (stop, start
 //     again) shows that start only its own keys: S differs.
 //  2. A group restarted after a failure meets again even when the store
