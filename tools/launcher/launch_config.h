@@ -40,8 +40,8 @@ struct LaunchConfig {
 };
 
 // Parses the command line. Returns true with `config` filled, or false with
-// `exitCode` set (0 after --help, 2 after a usage error, already reported on
-// stderr).
+// `exitCode` set (0 after --help; CLI11's non-zero code after a usage error,
+// which it has already reported on stderr).
 bool parseCommandLine(
     int argc,
     char** argv,
