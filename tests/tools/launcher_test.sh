@@ -212,6 +212,29 @@ case "${case_name}" in
   ForwardsSigtermAndExitsWhenWorkersAreGone)
     forward_signal TERM 143
     ;;
+  SignalWhileStoppingDoesNotRestart)
+    start=${SECONDS}
+    timeout -k 5 30 "${launcher}" --nproc-per-node 2 --max-restarts 3 \
+      --stop-grace-seconds 20 -- "${worker}" slow-to-stop \
+      >"${out}" 2>"${err}" &
+    launcher_pid=$!
+    for _ in $(seq 100); do
+      grep -q 'stopping slowly' "${out}" && break
+      sleep 0.1
+    done
+    grep -q 'stopping slowly' "${out}" || fail "rank 0 was never stopped"
+    real_launcher=$(ps -o pid= --ppid "${launcher_pid}" | head -1 | tr -d ' ')
+    [[ -n "${real_launcher}" ]] || fail "no launcher process under timeout"
+    kill -INT "${real_launcher}"
+    wait "${launcher_pid}"
+    rc=$?
+    launcher_pid=""
+    expect_rc 130
+    expect_match "${err}" 'got SIGINT while stopping the workers; not restarting'
+    grep -q 'restarting the group' "${err}" && fail "restarted after SIGINT"
+    [[ $((SECONDS - start)) -lt 15 ]] || fail "waited out the grace period"
+    expect_workers_gone
+    ;;
   RefusesBadUsage)
     run 10 --nproc-per-node 2
     [[ ${rc} -ne 0 ]] || fail "no program was accepted"

@@ -55,6 +55,15 @@ case "$1" in
     sleep_long
     sleep_long
     ;;
+  slow-to-stop)
+    # Rank 1 fails; rank 0 takes its time to stop after SIGTERM.
+    if [[ "${rank}" == 1 ]]; then
+      sleep 0.5
+      exit 7
+    fi
+    trap 'echo "rank ${rank} stopping slowly"; sleep_long; exit 143' TERM
+    sleep_long
+    ;;
   segfault)
     if [[ "${rank}" == 0 ]]; then
       sleep 0.2

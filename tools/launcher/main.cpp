@@ -83,7 +83,12 @@ int launch(const torchrpc::launcher::LaunchConfig& config) {
         std::to_string(outcome.pid) + ") " +
         torchrpc::launcher::describeWaitStatus(outcome.status);
     say(failure + "; stopping the other workers");
-    group.stop(SIGTERM, signalPipe[0]);
+    if (int signal = group.stop(SIGTERM, signalPipe[0])) {
+      // Asked to stop while stopping: no restart.
+      say(std::string("got SIG") + ::sigabbrev_np(signal) +
+          " while stopping the workers; not restarting");
+      return 128 + signal;
+    }
     if (attempt < config.maxRestarts) {
       say("restarting the group (restart " + std::to_string(attempt + 1) +
           " of " + std::to_string(config.maxRestarts) + ")");

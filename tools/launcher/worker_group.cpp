@@ -292,12 +292,14 @@ GroupOutcome WorkerGroup::run(int signalFd) {
   }
 }
 
-void WorkerGroup::stop(int signal, int signalFd) {
+int WorkerGroup::stop(int signal, int signalFd) {
   signalRunning(signal);
+  int received = 0;
   auto deadline = Clock::now() + config_.stopGrace;
   while (runningCount() > 0 && Clock::now() < deadline) {
-    if (pump(signalFd, milliseconds(50)) != 0) {
-      break; // asked again: do not wait out the grace period
+    received = pump(signalFd, milliseconds(50));
+    if (received != 0) {
+      break; // asked (again) to stop: do not wait out the grace period
     }
     reap();
   }
@@ -311,6 +313,7 @@ void WorkerGroup::stop(int signal, int signalFd) {
     }
   }
   drain(milliseconds(2000));
+  return received;
 }
 
 } // namespace launcher

@@ -59,7 +59,8 @@ class WorkerGroup {
   // period for them to exit (escalating at once if another signal arrives
   // on `signalFd`), then SIGKILLs the rest; reaps all of them and relays
   // their last output. Bounded by the grace period plus a few seconds.
-  void stop(int signal, int signalFd);
+  // Returns the signal that arrived on `signalFd` meanwhile, or 0.
+  int stop(int signal, int signalFd);
 
  private:
   struct Worker {
