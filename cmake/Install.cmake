@@ -12,6 +12,7 @@
 #   lib/libtorchrpc_<layer>.so
 #   lib/cmake/torchrpc/torchrpcConfig.cmake, ...ConfigVersion.cmake,
 #                      torchrpcTargets.cmake
+#   bin/torchrpc-launch                   the native launcher (tools/launcher/)
 #
 # Users write #include <torchrpc/torchrpc.h>; inside, headers include each
 # other as "torchrpc/rpc/errors.h", so every target carries include/.
@@ -74,6 +75,11 @@ install(
   LIBRARY DESTINATION "${CMAKE_INSTALL_LIBDIR}"
   ARCHIVE DESTINATION "${CMAKE_INSTALL_LIBDIR}"
   RUNTIME DESTINATION "${CMAKE_INSTALL_BINDIR}")
+
+# Not exported: a program, not something to link.
+if(TARGET torchrpc-launch)
+  install(TARGETS torchrpc-launch RUNTIME DESTINATION "${CMAKE_INSTALL_BINDIR}")
+endif()
 
 install(
   FILES "${PROJECT_SOURCE_DIR}/torchrpc.h"

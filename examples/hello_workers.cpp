@@ -1,12 +1,13 @@
-// Three workers in three processes on this host. Each registers a couple of
-// functions; worker0 calls them on the others, synchronously, asynchronously
-// and through a builtin operator, keeps a value on worker2 through a remote
-// reference, differentiates through calls on worker1 and worker2, then every
-// worker shuts down gracefully.
+// Workers in separate processes. Each registers a couple of functions;
+// worker0 calls them on the others, synchronously, asynchronously and
+// through a builtin operator, keeps a value on the last worker through a
+// remote reference, differentiates through calls on worker1 and the last
+// worker, then every worker shuts down gracefully.
 //
-// Run it as is: with no RANK in the environment it starts the three workers
-// itself (setting RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torchrun
-// would). Under a launcher, each process is one worker.
+// Run it as is: with no launcher's variables in the environment it starts
+// three workers itself (setting RANK, WORLD_SIZE, MASTER_ADDR and
+// MASTER_PORT as torchrun would). Under a launcher (torchrpc-launch,
+// torchrun, mpirun, srun) each process is one worker, two or more of them.
 
 #include <torchrpc/torchrpc.h>
 
@@ -33,7 +34,13 @@ at::Tensor scale(at::Tensor x, double factor) {
 
 int runWorker() {
   auto options = torchrpc::Options::fromEnvironment();
+  if (options.worldSize < 2) {
+    std::cerr << "hello_workers needs at least two workers, got "
+              << options.worldSize << std::endl;
+    return 1;
+  }
   std::string name = "worker" + std::to_string(options.rank);
+  std::string last = "worker" + std::to_string(options.worldSize - 1);
   torchrpc::Runtime rt(name, options);
   rt.functions().add("scale", &scale);
   rt.functions().add("greet", [&rt](std::string who) {
@@ -53,26 +60,25 @@ int runWorker() {
       std::cout << rt.rpcSync<std::string>(peer, "greet", name) << std::endl;
     }
     auto y = rt.rpcSync<at::Tensor>("worker1", "scale", at::ones({3}), 2.0);
-    auto z =
-        rt.rpcAsync<at::Tensor>("worker2", "aten::mul.Tensor", y, y).wait();
+    auto z = rt.rpcAsync<at::Tensor>(last, "aten::mul.Tensor", y, y).wait();
     std::cout << "scale on worker1: " << y << "\n"
-              << "aten::mul on worker2: " << z << std::endl;
-    // worker2 owns a running total; worker0 only holds a reference.
+              << "aten::mul on " << last << ": " << z << std::endl;
+    // The last worker owns a running total; worker0 only holds a reference.
     torchrpc::RRef<at::Tensor> total =
-        rt.remote<at::Tensor>("worker2", "scale", at::zeros({3}), 1.0);
+        rt.remote<at::Tensor>(last, "scale", at::zeros({3}), 1.0);
     for (int i = 1; i <= 3; ++i) {
       total.rpcSync<void>("accumulate", at::full({3}, double(i)));
     }
     std::cout << "a total kept on " << total.ownerName() << ": "
               << total.toHere() << std::endl;
-    // Gradients through two workers: d/dw sum(scale(scale(w, 3), 4)) = 12.
+    // Gradients through two calls: d/dw sum(scale(scale(w, 3), 4)) = 12.
     auto w = at::ones({3}).requires_grad_();
     {
       torchrpc::autograd::Context context(rt);
       auto a = rt.rpcSync<at::Tensor>("worker1", "scale", w, 3.0);
-      auto b = rt.rpcSync<at::Tensor>("worker2", "scale", a, 4.0);
+      auto b = rt.rpcSync<at::Tensor>(last, "scale", a, 4.0);
       context.backward({b.sum()});
-      std::cout << "gradient of w through worker1 and worker2: "
+      std::cout << "gradient of w through worker1 and " << last << ": "
                 << context.gradients().at(w) << std::endl;
     }
     try {
@@ -152,7 +158,8 @@ int launchLocally(int worldSize) {
 } // namespace
 
 int main() {
-  if (std::getenv("RANK") == nullptr) {
+  if (torchrpc::rpc::LaunchEnvironment::fromEnvironment().launcher ==
+      torchrpc::rpc::Launcher::kNone) {
     return launchLocally(3);
   }
   return runWorker();

@@ -36,8 +36,9 @@ int64_t envInt(const char* name, int64_t fallback) {
 
 Options Options::fromEnvironment() {
   Options options;
-  options.rank = envInt("RANK", 0);
-  options.worldSize = envInt("WORLD_SIZE", 1);
+  options.launch = LaunchEnvironment::fromEnvironment();
+  options.rank = options.launch.rank;
+  options.worldSize = options.launch.worldSize;
   if (const char* method = env("TORCHRPC_INIT_METHOD")) {
     options.initMethod = method;
   }

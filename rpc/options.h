@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "torchrpc/rpc/launch_environment.h"
+
 namespace torchrpc {
 namespace rpc {
 
@@ -45,7 +47,8 @@ using DeviceMap = std::map<c10::Device, c10::Device, DeviceLess>;
 
 // Everything a Runtime can be told. Every field has a default that works on
 // one host; README.md has the table. Options::fromEnvironment() fills rank,
-// world size and the rendezvous from the variables torchrun and Slurm set.
+// world size and the rendezvous from the variables torchrun, Open MPI or
+// Slurm set (see Note [Launch environment]).
 struct Options {
   // This worker's rank in [0, worldSize).
   int64_t rank = 0;
@@ -58,6 +61,12 @@ struct Options {
   // A store to rendezvous through instead of initMethod (e.g. a HashStore
   // shared by several runtimes of one process).
   c10::intrusive_ptr<c10d::Store> store;
+  // Who started this worker and where it sits (local rank, node, restart
+  // generation); filled by fromEnvironment(). With env://, a non-empty
+  // launch.masterAddr / non-zero launch.masterPort stand in for MASTER_ADDR
+  // / MASTER_PORT, and the rendezvous keys of each launch.restartCount are
+  // kept apart, so a restarted group meets again on a reused store.
+  LaunchEnvironment launch;
   // How long start() waits for every worker to appear.
   std::chrono::milliseconds rendezvousTimeout{std::chrono::minutes(5)};
 
@@ -122,11 +131,14 @@ struct Options {
   // Let callers run dispatcher operators by schema name ("aten::add.Tensor").
   bool allowBuiltinOperators = true;
 
-  // Reads RANK, WORLD_SIZE, MASTER_ADDR/MASTER_PORT (init method env://),
-  // TORCHRPC_INIT_METHOD, TORCHRPC_LISTEN_ADDR, TORCHRPC_NUM_THREADS,
-  // TORCHRPC_TIMEOUT_MS, TORCHRPC_SPIN_US, TORCHRPC_TRANSPORT ("tcp",
-  // "tensorpipe", "tensorpipe-shm"), TORCHRPC_SHARED_SECRET and
-  // TORCHRPC_PEER_TIMEOUT_MS. Missing RANK/WORLD_SIZE default to 0 and 1.
+  // Reads the launcher's identity variables into `launch`, rank and
+  // worldSize (torchrun's, else Open MPI's, else Slurm's; see Note [Launch
+  // environment]), then TORCHRPC_INIT_METHOD, TORCHRPC_LISTEN_ADDR,
+  // TORCHRPC_NUM_THREADS, TORCHRPC_TIMEOUT_MS, TORCHRPC_SPIN_US,
+  // TORCHRPC_TRANSPORT ("tcp", "tensorpipe", "tensorpipe-shm"),
+  // TORCHRPC_SHARED_SECRET and TORCHRPC_PEER_TIMEOUT_MS. With no launcher's
+  // variables, rank 0 of 1. Throws c10::Error naming the variable (and
+  // launcher) that is missing or malformed.
   static Options fromEnvironment();
 };
 

@@ -184,7 +184,8 @@ void Runtime::start() {
         store->store,
         options_.rank,
         options_.worldSize,
-        options_.rendezvousTimeout);
+        options_.rendezvousTimeout,
+        options_.launch.restartCount);
     auto layout =
         store->rendezvous->join(self_.name, address, options_.deviceMaps);
     agent_->setWorkers(

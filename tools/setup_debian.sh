@@ -33,7 +33,10 @@ packages=(
   libbenchmark-dev     # bench/
   libssl-dev           # OpenSSL, for the optional shared secret between peers
   iproute2             # ip/ss, for network tests and the launcher
-  python3-torch        # the PyTorch side of the benchmarks (/usr/bin/python3)
+  libcli11-dev         # command-line flags of torchrpc-launch (tools/launcher/)
+  openmpi-bin          # mpirun, to test that workers run under Open MPI
+  python3-torch        # the PyTorch side of the benchmarks (/usr/bin/python3);
+                       # torchrun, to test that workers run under it
 )
 
 missing=()

@@ -17,12 +17,16 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string requireEnv(const char* name) {
+std::string requireEnv(const char* name, Launcher launcher) {
   const char* value = std::getenv(name);
   TORCH_CHECK(
       value != nullptr && *value != '\0',
       "init method env:// needs the environment variable ",
-      name);
+      name,
+      launcher == Launcher::kNone
+          ? std::string()
+          : std::string(" (launcher: ") + launcherName(launcher) +
+              ", which does not set it for a job on several nodes)");
   return value;
 }
 
@@ -115,8 +119,14 @@ c10::intrusive_ptr<c10d::Store> openStore(const Options& options) {
   }
   const std::string& method = options.initMethod;
   if (method == "env://") {
-    std::string host = requireEnv("MASTER_ADDR");
-    uint16_t port = parsePort(requireEnv("MASTER_PORT"), "MASTER_PORT");
+    // What the launcher said (see Note [Launch environment]) comes first.
+    const LaunchEnvironment& launch = options.launch;
+    std::string host = !launch.masterAddr.empty()
+        ? launch.masterAddr
+        : requireEnv("MASTER_ADDR", launch.launcher);
+    uint16_t port = launch.masterPort != 0
+        ? static_cast<uint16_t>(launch.masterPort)
+        : parsePort(requireEnv("MASTER_PORT", launch.launcher), "MASTER_PORT");
     // Under torchrun's elastic agent the store already exists and rank 0
     // must join it as a client.
     const char* agentStore = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
@@ -165,17 +175,24 @@ Rendezvous::Rendezvous(
     c10::intrusive_ptr<c10d::Store> store,
     int64_t rank,
     int64_t worldSize,
-    std::chrono::milliseconds timeout)
+    std::chrono::milliseconds timeout,
+    int64_t restartCount)
     : store_(std::move(store)),
       rank_(rank),
       worldSize_(worldSize),
       timeout_(timeout) {
-  // Every start of a rank takes the next generation, so a reused store never
-  // shows this start the keys of an earlier one. Ranks start the same number
-  // of times, so they agree on it.
+  // See Note [Rendezvous keys]. Within a restart generation every start of a
+  // rank takes the next start number, so a reused store never shows this
+  // start the keys of an earlier one; ranks of one generation start the
+  // same number of times, so they agree on it.
+  // Generation 0 keeps the layout from before restarts were numbered, which
+  // tests and tools that inspect a store rely on.
+  std::string restart = restartCount == 0
+      ? std::string("torchrpc")
+      : "torchrpc/restart" + std::to_string(restartCount);
   int64_t generation =
-      store_->add("torchrpc/generation/" + std::to_string(rank_), 1);
-  prefix_ = "torchrpc/" + std::to_string(generation) + "/";
+      store_->add(restart + "/generation/" + std::to_string(rank_), 1);
+  prefix_ = restart + "/" + std::to_string(generation) + "/";
 }
 
 std::string Rendezvous::key(const std::string& suffix) const {

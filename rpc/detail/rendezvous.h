@@ -31,10 +31,24 @@ struct JobLayout {
   std::map<int64_t, DeviceMap> peerMapsTowardsUs;
 };
 
+// Note [Rendezvous keys]
+// Keys live under "torchrpc/restart<R>/<S>/" ("torchrpc/<S>/" for R = 0),
+// where R is the group's restart generation (torchrun's
+// TORCHELASTIC_RESTART_COUNT) and S counts the starts of this rank within
+// generation R (a store key per rank, incremented by add()). Guarantees:
+//  1. A store reused by a later start in the same process (stop, start
+//     again) shows that start only its own keys: S differs.
+//  2. A group restarted after a failure meets again even when the store
+//     outlived the failed group (torchrun's agent store) and the failed
+//     ranks had started different numbers of times (one died before
+//     start(), another was waiting in it): R differs, and S restarts at 1
+//     for every rank of the new generation.
+//  3. Keys of every generation stay in the store; nobody reads another
+//     generation's, so stale ones cannot satisfy or block a wait.
+
 // Meets every other worker through the store: publishes this worker's name,
 // address and device maps, waits for everyone's, validates names (unique,
-// [A-Za-z0-9_.:-], 1..128 characters). Keys live under a prefix that is new
-// for each start of a rank, so a store may be reused by a later start.
+// [A-Za-z0-9_.:-], 1..128 characters). See Note [Rendezvous keys].
 // Throws c10::Error naming the missing ranks on timeout.
 class Rendezvous {
  public:
@@ -42,7 +56,8 @@ class Rendezvous {
       c10::intrusive_ptr<c10d::Store> store,
       int64_t rank,
       int64_t worldSize,
-      std::chrono::milliseconds timeout);
+      std::chrono::milliseconds timeout,
+      int64_t restartCount = 0);
 
   JobLayout join(
       const std::string& name,

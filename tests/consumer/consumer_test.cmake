@@ -22,6 +22,7 @@ if(SANITIZE STREQUAL "")
       "-DCXX_COMPILER=${CMAKE_CXX_COMPILER}"
       "-DCXX_COMPILER_LAUNCHER=${_consumerLauncher}"
       "-DBUILD_TYPE=${CMAKE_BUILD_TYPE}"
+      "-DEXPECT_LAUNCHER=$<TARGET_EXISTS:torchrpc-launch>"
       -P "${CMAKE_CURRENT_LIST_DIR}/run_consumer_test.cmake")
   # Above ctest's default 300 s: compiling one file against libtorch's headers
   # with a cold ccache on a loaded 2-core machine takes most of it. The steps

@@ -3,7 +3,7 @@
 # fails the test with its output.
 #
 # Inputs: TORCHRPC_BUILD_DIR, CONSUMER_SOURCE_DIR, WORK_DIR, GENERATOR,
-# PUBLIC_HEADERS_FILE,
+# PUBLIC_HEADERS_FILE, EXPECT_LAUNCHER (1: bin/torchrpc-launch must be there),
 # CXX_COMPILER, CXX_COMPILER_LAUNCHER (may be empty), BUILD_TYPE.
 cmake_minimum_required(VERSION 3.18)
 
@@ -53,6 +53,13 @@ if(NOT installedHeaders STREQUAL expectedHeaders)
   message(FATAL_ERROR
     "consumer test: the installed headers are not the public ones.\n"
     "installed: ${installedHeaders}\nexpected: ${expectedHeaders}")
+endif()
+
+# The native launcher is installed with the package (when built) and runs
+# from there.
+if(EXPECT_LAUNCHER)
+  step("installed torchrpc-launch --help" 60
+    "${prefix}/bin/torchrpc-launch" --help)
 endif()
 
 set(configureArgs

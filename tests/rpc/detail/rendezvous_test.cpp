@@ -2,12 +2,14 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <cstdlib>
 #include <future>
 #include <unistd.h>
 
+#include "tests/support/scoped_env.h"
 #include "torchrpc/rpc/runtime.h"
 #include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
 
@@ -136,6 +138,47 @@ TEST(Rendezvous, EnvInitMethodWithoutVariablesSaysWhichIsMissing) {
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("MASTER_ADDR"), std::string::npos);
   }
+}
+
+TEST(Rendezvous, ARestartedGroupMeetsAgainOnTheStoreItsPredecessorLeft) {
+  // torchrun's agent store outlives a failed group. In restart generation 0
+  // rank 0 reached start() and rank 1 died before it, so the store holds
+  // rank 0's keys and a start count that rank 1 never matched. The group
+  // restarted with TORCHELASTIC_RESTART_COUNT=1 must meet on that store.
+  // See Note [Rendezvous keys].
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  {
+    auto o = baseOptions(0, 2, std::make_shared<rpc::InProcessNetwork>());
+    o.store = store;
+    o.rendezvousTimeout = 300ms;
+    rpc::Runtime lonely("w0", o);
+    EXPECT_THROW(lonely.start(), c10::Error);
+  }
+  auto network = std::make_shared<rpc::InProcessNetwork>();
+  runJob(2, [&](int rank) {
+    auto o = baseOptions(rank, 2, network);
+    o.store = store;
+    o.launch.restartCount = 1;
+    o.rendezvousTimeout = 10s;
+    return o;
+  });
+  // And generation 2 after it, on the same store.
+  runJob(2, [&](int rank) {
+    auto o = baseOptions(rank, 2, network);
+    o.store = store;
+    o.launch.restartCount = 2;
+    o.rendezvousTimeout = 10s;
+    return o;
+  });
+}
+
+TEST(Rendezvous, TheRestartCountComesFromTorchrunsVariable) {
+  testing::ScopedLauncherEnv env;
+  env.set(
+      {{"RANK", "0"},
+       {"WORLD_SIZE", "1"},
+       {"TORCHELASTIC_RESTART_COUNT", "3"}});
+  EXPECT_EQ(rpc::Options::fromEnvironment().launch.restartCount, 3);
 }
 
 TEST(Rendezvous, UnknownInitMethodIsRefused) {

@@ -1,0 +1,83 @@
+#pragma once
+
+#include <cstdlib>
+#include <initializer_list>
+#include <map>
+#include <string>
+#include <utility>
+
+#include <c10/util/Optional.h>
+
+namespace torchrpc {
+namespace testing {
+
+// Every variable a launcher sets that Options::fromEnvironment() reads.
+inline const std::initializer_list<const char*>& launcherVariables() {
+  static const std::initializer_list<const char*> names = {
+      "RANK",
+      "WORLD_SIZE",
+      "LOCAL_RANK",
+      "LOCAL_WORLD_SIZE",
+      "GROUP_RANK",
+      "MASTER_ADDR",
+      "MASTER_PORT",
+      "TORCHELASTIC_RESTART_COUNT",
+      "TORCHELASTIC_MAX_RESTARTS",
+      "TORCHELASTIC_RUN_ID",
+      "TORCHELASTIC_USE_AGENT_STORE",
+      "OMPI_COMM_WORLD_RANK",
+      "OMPI_COMM_WORLD_SIZE",
+      "OMPI_COMM_WORLD_LOCAL_RANK",
+      "OMPI_COMM_WORLD_LOCAL_SIZE",
+      "SLURM_PROCID",
+      "SLURM_NTASKS",
+      "SLURM_LOCALID",
+      "SLURM_NODEID",
+      "SLURM_JOB_ID",
+      "SLURM_JOB_NODELIST",
+      "SLURM_STEP_NODELIST",
+      "SLURM_TASKS_PER_NODE",
+      "SLURM_STEP_TASKS_PER_NODE",
+  };
+  return names;
+}
+
+// Clears the launcher variables for the lifetime of the object and puts
+// back what was there before, so that a test's environment never leaks into
+// the next (nor the launcher's that runs the tests into this one).
+class ScopedLauncherEnv {
+ public:
+  ScopedLauncherEnv() {
+    for (const char* name : launcherVariables()) {
+      const char* value = std::getenv(name);
+      saved_.emplace(
+          name,
+          value == nullptr ? c10::nullopt
+                           : c10::optional<std::string>(std::string(value)));
+      ::unsetenv(name);
+    }
+  }
+  ~ScopedLauncherEnv() {
+    for (const auto& entry : saved_) {
+      if (entry.second) {
+        ::setenv(entry.first.c_str(), entry.second->c_str(), 1);
+      } else {
+        ::unsetenv(entry.first.c_str());
+      }
+    }
+  }
+  ScopedLauncherEnv(const ScopedLauncherEnv&) = delete;
+  ScopedLauncherEnv& operator=(const ScopedLauncherEnv&) = delete;
+
+  void set(std::initializer_list<std::pair<const char*, const char*>> values) {
+    for (const auto& value : values) {
+      ::setenv(value.first, value.second, 1);
+    }
+  }
+
+ private:
+  std::map<std::string, c10::optional<std::string>> saved_;
+};
+
+} // namespace testing
+} // namespace torchrpc

@@ -1,0 +1,55 @@
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace torchrpc {
+namespace launcher {
+
+// What torchrpc-launch was asked to do: torchrun's flags, parsed.
+struct LaunchConfig {
+  int nnodes = 1;
+  int nprocPerNode = 1;
+  int nodeRank = 0;
+  std::string masterAddr = "127.0.0.1";
+  // torchrun's default; --standalone picks a free one instead.
+  int masterPort = 29500;
+  bool standalone = false;
+  int maxRestarts = 0;
+  // Per-rank log files under <logDir>/attempt_<k>/<rank>/{stdout,stderr}.log
+  // when not empty.
+  std::string logDir;
+  std::string runId = "none";
+  // How long stopped workers get between SIGTERM (or the forwarded signal)
+  // and SIGKILL.
+  std::chrono::milliseconds stopGrace{std::chrono::seconds(5)};
+  // The program and its arguments.
+  std::vector<std::string> command;
+
+  int worldSize() const {
+    return nnodes * nprocPerNode;
+  }
+
+  // torchrun's environment contract for the worker of local rank
+  // `localRank` in restart generation `restartCount`.
+  std::map<std::string, std::string> workerEnvironment(
+      int localRank,
+      int restartCount) const;
+};
+
+// Parses the command line. Returns true with `config` filled, or false with
+// `exitCode` set (0 after --help; CLI11's non-zero code after a usage error,
+// which it has already reported on stderr).
+bool parseCommandLine(
+    int argc,
+    char** argv,
+    LaunchConfig& config,
+    int& exitCode);
+
+// A TCP port on 127.0.0.1 that nobody listens on right now.
+int findFreePort();
+
+} // namespace launcher
+} // namespace torchrpc
