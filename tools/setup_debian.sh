@@ -34,6 +34,11 @@ packages=(
   libssl-dev           # OpenSSL, for the optional shared secret between peers
   iproute2             # ip/ss, for network tests and the launcher
   python3-torch        # the PyTorch side of the benchmarks (/usr/bin/python3)
+  dataset-fashion-mnist  # the parameter-server example's data (gzip'd idx files)
+  zlib1g-dev           # the example unpacks them for libtorch's MNIST reader
+  libcli11-dev         # the example's command-line flags
+  gnuplot-nox          # the example's curves.png
+  python3-protobuf     # the test that reads the example's TensorBoard files
 )
 
 missing=()

@@ -1,6 +1,7 @@
 #include "local_launch.h"
 
 #include <arpa/inet.h>
+#include <c10/util/Exception.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -63,6 +64,9 @@ int launchLocally(int worldSize, const std::function<int()>& worker) {
       int code = 1;
       try {
         code = worker();
+      } catch (const c10::Error& e) {
+        std::cerr << "worker" << rank << ": " << e.what_without_backtrace()
+                  << std::endl;
       } catch (const std::exception& e) {
         std::cerr << "worker" << rank << ": " << e.what() << std::endl;
       }

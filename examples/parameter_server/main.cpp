@@ -145,6 +145,9 @@ int main(int argc, char** argv) {
   }
   try {
     return runWorker(config);
+  } catch (const c10::Error& e) {
+    std::cerr << "ps_mnist: " << e.what_without_backtrace() << std::endl;
+    return 1;
   } catch (const std::exception& e) {
     std::cerr << "ps_mnist: " << e.what() << std::endl;
     return 1;

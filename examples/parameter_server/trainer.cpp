@@ -166,13 +166,12 @@ int runTrainer(torchrpc::Runtime& rt, const Config& config, int trainer) {
   try {
     return train(rt, config, trainer);
   } catch (const std::exception& e) {
-    std::cerr << "trainer" << trainer << ": " << e.what() << std::endl;
+    // libtorch's errors carry a backtrace that says nothing to a user.
+    const auto* error = dynamic_cast<const c10::Error*>(&e);
+    std::string what = error ? error->what_without_backtrace() : e.what();
+    std::cerr << "trainer" << trainer << ": " << what << std::endl;
     try {
-      rt.rpcSync<void>(
-          "worker0",
-          "ps.failed",
-          int64_t(trainer),
-          std::string(e.what()));
+      rt.rpcSync<void>("worker0", "ps.failed", int64_t(trainer), what);
     } catch (const std::exception&) {
       // The server is gone too; the exit code tells.
     }
