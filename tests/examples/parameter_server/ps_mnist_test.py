@@ -3,6 +3,8 @@
 
   ps_mnist_test.py trains   BINARY PROTO SCRATCH   few steps, events, PNG, --resume
   ps_mnist_test.py no-data  BINARY PROTO SCRATCH   the missing-data error
+  ps_mnist_test.py launcher BINARY PROTO SCRATCH   one process per worker, as
+                                                   a launcher starts them
 
 The event files are read here independently of the C++ writer: records are
 split and their CRC-32C checked by this script's own code, Events are parsed
@@ -293,13 +295,64 @@ def test_no_data(binary, proto, scratch):
           "the error carries a backtrace")
 
 
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_launcher(binary, proto, scratch):
+    """Three processes with torchrun's variables: no forking of its own."""
+    port = str(free_port())
+    processes = []
+    try:
+        for rank in range(3):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="3",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+            processes.append(subprocess.Popen(
+                [binary, "--max-steps", "20", "--trainers", "5",
+                 "--cache-dir", os.path.join(scratch, "cache"),
+                 "--log-dir", os.path.join(scratch, "runs"),
+                 "--checkpoint-dir", os.path.join(scratch, "checkpoints")],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True, start_new_session=True))
+        outputs = []
+        for rank, process in enumerate(processes):
+            try:
+                out, err = process.communicate(timeout=RUN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                fail("rank %d did not finish in %d s" % (rank, RUN_TIMEOUT_S))
+            print("--- rank %d\n%s\n%s" % (rank, out, err))
+            check(process.returncode == 0,
+                  "rank %d exited with %d" % (rank, process.returncode))
+            outputs.append(out)
+    finally:
+        for process in processes:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    # WORLD_SIZE, not --trainers, decides: one server and two trainers.
+    check("WORLD_SIZE 3 gives 2 trainers" in outputs[0],
+          "the server did not take the trainers from WORLD_SIZE")
+    check(re.search(r"^test accuracy: [0-9.]+% on 10000", outputs[0],
+                    re.MULTILINE), "the server printed no test accuracy")
+    for rank in (1, 2):
+        check("trainer%d: done, 20 steps in this run" % rank in outputs[rank],
+              "rank %d did not train as trainer%d" % (rank, rank))
+
+
 def main():
-    if len(sys.argv) != 5 or sys.argv[1] not in ("trains", "no-data"):
-        fail("usage: ps_mnist_test.py trains|no-data BINARY PROTO SCRATCH")
+    modes = {"trains": test_trains, "no-data": test_no_data,
+             "launcher": test_launcher}
+    if len(sys.argv) != 5 or sys.argv[1] not in modes:
+        fail("usage: ps_mnist_test.py trains|no-data|launcher BINARY PROTO "
+             "SCRATCH")
     mode, binary, proto, scratch = sys.argv[1:]
     shutil.rmtree(scratch, ignore_errors=True)
     os.makedirs(scratch)
-    {"trains": test_trains, "no-data": test_no_data}[mode](binary, proto, scratch)
+    modes[mode](binary, proto, scratch)
     print("PASS")
 
 
