@@ -5,10 +5,10 @@
 //   ps_mnist                      starts the server and 2 trainers itself
 //   torchrun --nproc-per-node 3 ps_mnist ...   one worker per process
 //
-// With no RANK in the environment it forks every worker (one command);
-// otherwise this process is the worker Options::fromEnvironment() names,
-// so any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
-// runs it unchanged.
+// With no RANK (nor an MPI rank) in the environment it forks every worker
+// (one command); otherwise this process is the worker
+// Options::fromEnvironment() names, so any launcher that sets RANK,
+// WORLD_SIZE, MASTER_ADDR and MASTER_PORT runs it unchanged.
 
 #include <torchrpc/torchrpc.h>
 
@@ -27,6 +27,20 @@
 #include "trainer.h"
 
 namespace {
+
+// Whether a launcher started this process as one worker: torchrun sets
+// RANK, Open MPI and MPICH their own rank variables. Otherwise this process
+// starts the workers itself.
+// TODO(cleanup): Slurm's srun (SLURM_PROCID, also set in a batch script's
+// own shell) once Options::fromEnvironment() reads it.
+bool startedByLauncher() {
+  for (const char* name : {"RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"}) {
+    if (std::getenv(name) != nullptr) {
+      return true;
+    }
+  }
+  return false;
+}
 
 int runWorker(ps::Config config) {
   at::set_num_threads(config.torchThreads);
@@ -138,7 +152,7 @@ int main(int argc, char** argv) {
     std::cerr << "ps_mnist: " << e.what_without_backtrace() << std::endl;
     return 2;
   }
-  if (std::getenv("RANK") == nullptr) {
+  if (!startedByLauncher()) {
     return ps::launchLocally(config.trainers + 1, [&config]() {
       return runWorker(config);
     });
