@@ -33,10 +33,14 @@ packages=(
   libbenchmark-dev     # bench/
   libssl-dev           # OpenSSL, for the optional shared secret between peers
   iproute2             # ip/ss, for network tests and the launcher
-  libcli11-dev         # command-line flags of torchrpc-launch (tools/launcher/)
+  libcli11-dev         # command-line flags of torchrpc-launch and the examples
   openmpi-bin          # mpirun, to test that workers run under Open MPI
   python3-torch        # the PyTorch side of the benchmarks (/usr/bin/python3);
                        # torchrun, to test that workers run under it
+  dataset-fashion-mnist  # the parameter-server example's data (gzip'd idx files)
+  zlib1g-dev           # the example unpacks them for libtorch's MNIST reader
+  gnuplot-nox          # the example's curves.png
+  python3-protobuf     # the test that reads the example's TensorBoard files
 )
 
 missing=()
