@@ -28,18 +28,12 @@
 
 namespace {
 
-// Whether a launcher started this process as one worker: torchrun sets
-// RANK, Open MPI and MPICH their own rank variables. Otherwise this process
-// starts the workers itself.
-// TODO(cleanup): Slurm's srun (SLURM_PROCID, also set in a batch script's
-// own shell) once Options::fromEnvironment() reads it.
+// Whether a launcher (torchrun, torchrpc-launch, mpirun, srun) started this
+// process as one worker; otherwise this process starts the workers itself.
+// The library reads the launchers' variables (Note [Launch environment]).
 bool startedByLauncher() {
-  for (const char* name : {"RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"}) {
-    if (std::getenv(name) != nullptr) {
-      return true;
-    }
-  }
-  return false;
+  return torchrpc::rpc::LaunchEnvironment::fromEnvironment().launcher !=
+      torchrpc::rpc::Launcher::kNone;
 }
 
 int runWorker(ps::Config config) {
