@@ -41,6 +41,7 @@ packages=(
   zlib1g-dev           # the example unpacks them for libtorch's MNIST reader
   gnuplot-nox          # the example's curves.png
   python3-protobuf     # the test that reads the example's TensorBoard files
+  python3-yaml         # the test that reads examples/kubernetes/ manifests
 )
 
 missing=()
