@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Runs examples/hello_workers (and the restart worker) under each launcher:
+# Runs examples/hello_workers, the restart worker and the parameter-server
+# example (a few steps) under each launcher:
 #
-#   launch_example_test.sh CASE TORCHRPC_LAUNCH HELLO_WORKERS RESTART_WORKER
+#   launch_example_test.sh CASE TORCHRPC_LAUNCH HELLO_WORKERS RESTART_WORKER [PS_MNIST]
 #
 # Exit 77 (CTest: skipped) when the launcher a case needs is not installed.
 # Every run is bounded by timeout(1); the workers' pids are not known to us
@@ -13,6 +14,7 @@ case_name="$1"
 launcher="$2"
 hello="$3"
 restart_worker="$4"
+ps_mnist="${5:-}"
 work="$(mktemp -d)"
 out="${work}/out"
 
@@ -74,6 +76,31 @@ expect_hello_output() {
   expect_match "^${prefix}a bad call fails as a value: \[bad arguments\]"
 }
 
+# ps_mnist's arguments for a short run: one server and two trainers, 20
+# steps, everything it writes inside ${work}.
+ps_args=(--max-steps 20 --progress-seconds 0.5
+  --cache-dir "${work}/cache" --log-dir "${work}/runs"
+  --checkpoint-dir "${work}/checkpoints")
+
+# What a short ps_mnist run prints: both trainers' progress, the accuracy.
+expect_ps_output() {
+  local prefix="$1"
+  expect_match "^${prefix}trainer1 epoch 1/[0-9]+ step [0-9]+"
+  expect_match "^${prefix}trainer2 epoch 1/[0-9]+ step [0-9]+"
+  expect_match "^${prefix}test accuracy: [0-9.]+% on 10000"
+}
+
+need_ps() {
+  [[ -n "${ps_mnist}" && -x "${ps_mnist}" ]] || {
+    echo "SKIP: ps_mnist was not built (it needs CLI11 and zlib)"
+    exit 77
+  }
+  [[ -f /usr/share/datasets/fashion-mnist/t10k-labels-idx1-ubyte.gz ]] || {
+    echo "SKIP: dataset-fashion-mnist is not installed (bash tools/setup_debian.sh)"
+    exit 77
+  }
+}
+
 free_port() {
   python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
@@ -128,6 +155,29 @@ case "${case_name}" in
     expect_match '^rank 1 fails before start in restart 0$'
     expect_match '^worker0 met worker1 in restart 1 \(theirs: 1\)$'
     expect_match '^worker1 met worker0 in restart 1 \(theirs: 1\)$'
+    ;;
+  PsMnistUnderTorchrpcLaunch)
+    need_ps
+    bounded 200 "${launcher}" --standalone --nproc-per-node 3 -- \
+      "${ps_mnist}" "${ps_args[@]}"
+    expect_rc 0
+    expect_ps_output '\[rank [0-9]\]: '
+    ;;
+  PsMnistUnderTorchrun)
+    need torchrun
+    need_ps
+    bounded 200 torchrun --standalone --nproc_per_node 3 \
+      --redirects 9:1 --tee 9:1 --no_python "${ps_mnist}" "${ps_args[@]}"
+    expect_rc 0
+    expect_ps_output ''
+    ;;
+  PsMnistUnderMpirun)
+    need mpirun
+    need_ps
+    bounded 200 mpirun --allow-run-as-root --oversubscribe -np 3 \
+      -x MASTER_PORT="$(free_port)" "${ps_mnist}" "${ps_args[@]}"
+    expect_rc 0
+    expect_ps_output ''
     ;;
   *)
     echo "unknown case ${case_name}" >&2
