@@ -2,7 +2,7 @@
 """PyTorch RPC baseline benchmark: runs ONE workload on torch.distributed.rpc.
 
 Two worker processes ("worker0", "worker1"; three with "worker2" for
-dist_optimizer_step) are spawned on loopback with the default TensorPipe
+dist_optimizer_step and ps_steps_per_s_vs_local) are spawned on loopback with the default TensorPipe
 backend options (only MASTER_ADDR/MASTER_PORT are set, as a user would).
 worker0 drives the workload, the others serve. The parent process
 collects the result and prints exactly one JSON line on stdout:
@@ -39,11 +39,13 @@ WORKLOADS = {
     "rref_create_delete_per_s": ("rate", "rrefs/s", "higher"),
     "dist_autograd_overhead": ("overhead_per_iter", "us", "lower"),
     "dist_optimizer_step": ("median_step", "us", "lower"),
+    "ps_steps_per_s_vs_local": ("steps_per_s_ratio", "ratio", "higher"),
 }
 
 # Workers per workload (worker0 drives); 2 unless listed.
 WORLD_SIZE = {
     "dist_optimizer_step": 3,  # worker1 and worker2 own the parameters
+    "ps_steps_per_s_vs_local": 3,  # worker0 the server, worker1 and worker2 trainers
 }
 
 # Iteration counts: (normal, quick). Documented in bench/README.md.
@@ -58,11 +60,15 @@ ITERS = {
     "dist_autograd_overhead": {"warmup": (20, 5), "n": (200, 40)},
     # n timed steps, or fewer once the timed iterations took max_s seconds.
     "dist_optimizer_step": {"warmup": (20, 5), "n": (500, 100), "max_s": (30.0, 8.0)},
+    # After warm-up: n steps, or fewer once window_s seconds have passed.
+    "ps_steps_per_s_vs_local": {"warmup": (20, 5), "n": (20000, 2000), "window_s": (10.0, 3.0)},
 }
 WINDOW = 64  # outstanding calls / RRef batch size
 OPTIM_OWNERS = ("worker1", "worker2")  # dist_optimizer_step
 OPTIM_PARAMS_PER_OWNER = 50
 OPTIM_PARAM_NUMEL = 1024
+PS_TRAINERS = ("worker1", "worker2")  # ps_steps_per_s_vs_local
+PS_BATCH = 64
 
 MiB = 1 << 20
 
@@ -350,6 +356,150 @@ def run_dist_optimizer_step(quick, ctx):
     return statistics.median(samples) / 1e3
 
 
+# ---------------------------------------------------------------------------
+# ps_steps_per_s_vs_local: PyTorch's RPC parameter-server tutorial, reduced to
+# its loop. worker0 holds the ParameterServer (and drives); worker1 and
+# worker2 are trainers.
+# ---------------------------------------------------------------------------
+def make_ps_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+
+
+def ps_batch(seed):
+    """One fixed batch, generated once: the loop's speed is the point."""
+    torch.manual_seed(seed)
+    return torch.randn(PS_BATCH, 784), torch.randint(0, 10, (PS_BATCH,))
+
+
+class ParameterServer:
+    """As in the tutorial: the model on the server, forward and param RRefs."""
+
+    def __init__(self):
+        self.model = make_ps_model()
+
+    def forward(self, inp):
+        return self.model(inp)
+
+    def get_param_rrefs(self):
+        return [torch.distributed.rpc.RRef(p) for p in self.model.parameters()]
+
+
+_PS = {"server": None, "reports": []}
+_PS_LOCK = None  # threading.Condition, made on worker0
+
+
+def get_parameter_server():
+    """Runs on worker0; blocks until the driver has measured the local loop."""
+    with _PS_LOCK:
+        if not _PS_LOCK.wait_for(lambda: _PS["server"] is not None, timeout=120):
+            raise RuntimeError("the parameter server never appeared")
+        return _PS["server"]
+
+
+def ps_forward(ps_rref, x):
+    return ps_rref.local_value().forward(x)
+
+
+def ps_param_rrefs(ps_rref):
+    return ps_rref.local_value().get_param_rrefs()
+
+
+def ps_report(rank, steps, seconds, error):
+    with _PS_LOCK:
+        _PS["reports"].append((rank, steps, seconds, error))
+        _PS_LOCK.notify_all()
+
+
+def _timed_steps(wl, quick, step, progress):
+    """Warm-up, then steps until n or window_s (at least one); progress[0] counts
+    every step taken (warm-up included), progress[1] the timed ones."""
+    for _ in range(_it(wl, "warmup", quick)):
+        step()
+        progress[0] += 1
+    n = _it(wl, "n", quick)
+    t0 = time.perf_counter()
+    end = t0 + _it(wl, "window_s", quick)
+    while progress[1] < n and (progress[1] == 0 or time.perf_counter() < end):
+        step()
+        progress[0] += 1
+        progress[1] += 1
+    return progress[1], time.perf_counter() - t0
+
+
+def ps_trainer(rank, quick):
+    """On worker1/worker2: the tutorial's training loop, reporting its timed
+    steps (or the steps it took until it failed) to worker0."""
+    rpc = torch.distributed.rpc
+    import torch.distributed.autograd as dist_autograd
+    from torch.distributed.optim import DistributedOptimizer
+    wl = "ps_steps_per_s_vs_local"
+    progress = [0, 0]
+    t0 = time.perf_counter()
+    try:
+        ps_rref = rpc.remote("worker0", get_parameter_server)
+        param_rrefs = rpc.rpc_sync("worker0", ps_param_rrefs, args=(ps_rref,))
+        opt = DistributedOptimizer(torch.optim.SGD, param_rrefs, lr=0.01)
+        x, y = ps_batch(rank)
+
+        def step():
+            with dist_autograd.context() as cid:
+                out = rpc.rpc_sync("worker0", ps_forward, args=(ps_rref, x))
+                loss = torch.nn.functional.cross_entropy(out, y)
+                dist_autograd.backward(cid, [loss])
+                opt.step(cid)
+
+        t0 = time.perf_counter()
+        steps, seconds = _timed_steps(wl, quick, step, progress)
+        log(f"worker{rank}: {steps} steps in {seconds:.3f} s")
+        rpc.rpc_sync("worker0", ps_report, args=(rank, steps, seconds, None))
+    except Exception as e:
+        import traceback
+        traceback.print_exc()
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        error = (f"worker{rank} failed after {progress[0]} steps ({progress[1]} timed, "
+                 f"{time.perf_counter() - t0:.2f} s): {type(e).__name__}: {first[:300]}")
+        log(error)
+        rpc.rpc_sync("worker0", ps_report, args=(rank, progress[1], None, error))
+
+
+def run_ps_steps_vs_local(quick, ctx):
+    """Local steps/s (plain PyTorch, in worker0, before the trainers start),
+    then the trainers' aggregate steps/s; value = aggregate / local."""
+    wl = "ps_steps_per_s_vs_local"
+    local = make_ps_model()
+    opt = torch.optim.SGD(local.parameters(), lr=0.01)
+    x, y = ps_batch(0)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(local(x), y).backward()
+        opt.step()
+
+    steps, seconds = _timed_steps(wl, quick, step, [0, 0])
+    local_rate = steps / seconds
+    log(f"local: {steps} steps in {seconds:.3f} s = {local_rate:.1f} steps/s")
+    with _PS_LOCK:
+        _PS["server"] = ParameterServer()
+        _PS_LOCK.notify_all()
+        limit = _it(wl, "window_s", quick) * 4 + 60
+        if not _PS_LOCK.wait_for(lambda: len(_PS["reports"]) == len(PS_TRAINERS), timeout=limit):
+            raise RuntimeError("the trainers did not report")
+        reports = sorted(_PS["reports"])
+    errors = [r[3] for r in reports if r[3] is not None]
+    if errors:
+        # No figure from a loop that crashed: the reason goes to the error field.
+        done = [f"worker{r}: {steps} timed steps in {seconds:.2f} s"
+                for r, steps, seconds, e in reports if e is None]
+        ctx["error"] = ("; ".join(errors) + f" [completed: {', '.join(done) or 'none'}; "
+                        f"local {local_rate:.1f} steps/s; no ratio reported]")
+        return None
+    aggregate = sum(steps / seconds for _, steps, seconds, _ in reports)
+    log(f"parameter server: aggregate {aggregate:.1f} steps/s over {len(reports)} trainers; "
+        f"local {local_rate:.1f} steps/s")
+    return aggregate / local_rate
+
+
 DRIVERS = {
     "call_rtt_1elem": run_call_rtt,
     "calls_per_s_64_outstanding": run_calls_per_s,
@@ -360,6 +510,7 @@ DRIVERS = {
     "rref_create_delete_per_s": run_rref_churn,
     "dist_autograd_overhead": run_dist_autograd,
     "dist_optimizer_step": run_dist_optimizer_step,
+    "ps_steps_per_s_vs_local": run_ps_steps_vs_local,
 }
 
 
@@ -381,7 +532,7 @@ torch = None  # imported lazily in workers (parent never needs torch)
 
 
 def worker_main(rank, workload, quick, result_q, ready_q, release_ev):
-    global torch
+    global torch, _PS_LOCK
     # Keep stdout clean for the single JSON line printed by the parent.
     os.dup2(2, 1)
     import torch as _torch
@@ -389,6 +540,9 @@ def worker_main(rank, workload, quick, result_q, ready_q, release_ev):
     import torch.distributed.rpc as rpc
 
     ctx = {}
+    if workload == "ps_steps_per_s_vs_local":
+        import threading
+        _PS_LOCK = threading.Condition()
     try:
         opts = None  # default TensorPipe options unless --tp-transports (experiments only)
         if os.environ.get("PYTORCH_BENCH_TP_TRANSPORTS"):
@@ -398,13 +552,18 @@ def worker_main(rank, workload, quick, result_q, ready_q, release_ev):
                      rpc_backend_options=opts)
         if rank == 0:
             value = DRIVERS[workload](quick, ctx)
+        elif workload == "ps_steps_per_s_vs_local":
+            ps_trainer(rank, quick)
         if workload == "idle_cpu_cores":
             ready_q.put(rank)
             if not release_ev.wait(120):
                 raise RuntimeError("timed out waiting for the parent")
         rpc.shutdown()
         if rank == 0:
-            result_q.put(("ok", value))
+            if ctx.get("error"):
+                result_q.put(("error", ctx["error"]))
+            else:
+                result_q.put(("ok", value))
     except BaseException as e:  # report, then die
         import traceback
         traceback.print_exc()

@@ -1,5 +1,6 @@
 // The torchrpc side of bench/compare: runs one workload with two worker
-// processes (three for dist_optimizer_step) on loopback and prints one JSON
+// processes (three for dist_optimizer_step and ps_steps_per_s_vs_local) on
+// loopback and prints one JSON
 // line,
 //   {"workload": W, "metric": M, "unit": U, "value": x, "better": B}
 // Each workload mirrors bench/pytorch_bench.py exactly (see bench/README.md).
@@ -18,6 +19,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -27,6 +29,7 @@
 #include <iostream>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -83,7 +86,10 @@ Settings parse(int argc, char** argv) {
 
 // Workers of a workload: worker0 drives, the others serve.
 int worldSize(const std::string& workload) {
-  return workload == "dist_optimizer_step" ? 3 : 2;
+  return workload == "dist_optimizer_step" ||
+          workload == "ps_steps_per_s_vs_local"
+      ? 3
+      : 2;
 }
 
 // TORCHRPC_* variables (threads, spin, ...) apply; the job's shape and the
@@ -449,6 +455,146 @@ double distOptimizerStep(Runtime& rt, bool quick) {
   return median(times);
 }
 
+// ---- ps_steps_per_s_vs_local -----------------------------------------------
+
+// worker0 is the parameter server (and the driver), worker1 and worker2 the
+// trainers. The model, an MLP 784-256-10, lives on worker0 as a
+// RemoteModule; each trainer trains it with its own DistributedOptimizer.
+using PsModule =
+    torchrpc::nn::RemoteModule<torch::nn::Sequential, at::Tensor(at::Tensor)>;
+constexpr const char* kPsModelType = "bench.ps_mlp";
+constexpr int64_t kPsBatch = 64;
+
+torch::nn::Sequential makePsModel() {
+  torch::manual_seed(0);
+  return torch::nn::Sequential(
+      torch::nn::Linear(784, 256),
+      torch::nn::ReLU(),
+      torch::nn::Linear(256, 10));
+}
+
+// One fixed batch, generated once: the loop's speed is the point.
+std::pair<at::Tensor, at::Tensor> psBatch(int64_t seed) {
+  torch::manual_seed(seed);
+  return {at::randn({kPsBatch, 784}), at::randint(0, 10, {kPsBatch})};
+}
+
+// Warm-up steps, then steps until maxSteps or the window has elapsed (at
+// least one). Returns {steps, seconds} of the timed part.
+struct PsBounds {
+  int warmup;
+  int maxSteps;
+  double windowSeconds;
+};
+
+PsBounds psBounds(bool quick) {
+  return quick ? PsBounds{5, 2000, 3.0} : PsBounds{20, 20000, 10.0};
+}
+
+std::pair<int64_t, double> timedSteps(
+    const PsBounds& bounds,
+    const std::function<void()>& step) {
+  for (int i = 0; i < bounds.warmup; ++i) {
+    step();
+  }
+  auto start = Clock::now();
+  auto end = start +
+      std::chrono::duration_cast<Clock::duration>(
+                 std::chrono::duration<double>(bounds.windowSeconds));
+  int64_t steps = 0;
+  while (steps < bounds.maxSteps && (steps == 0 || Clock::now() < end)) {
+    step();
+    ++steps;
+  }
+  return {steps, std::chrono::duration<double>(Clock::now() - start).count()};
+}
+
+struct PsState {
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::optional<PsModule> model;
+  std::vector<std::pair<int64_t, double>> reports; // {steps, seconds}
+};
+
+// On worker0: the model's factory, "ps_model" (blocks until the driver has
+// created the model, after its local measurement) and "ps_report" (a
+// trainer's timed steps).
+void registerParameterServer(Runtime& rt, std::shared_ptr<PsState> state) {
+  torchrpc::nn::registerModuleFactory<
+      torch::nn::Sequential,
+      at::Tensor(at::Tensor)>(rt, kPsModelType, []() { return makePsModel(); });
+  rt.functions().add("ps_model", [state]() {
+    std::unique_lock<std::mutex> lock(state->mutex);
+    if (!state->changed.wait_for(lock, std::chrono::seconds(120), [&] {
+          return state->model.has_value();
+        })) {
+      throw std::runtime_error("the parameter server's model never appeared");
+    }
+    return *state->model;
+  });
+  rt.functions().add("ps_report", [state](int64_t steps, double seconds) {
+    std::lock_guard<std::mutex> guard(state->mutex);
+    state->reports.emplace_back(steps, seconds);
+    state->changed.notify_all();
+    return true;
+  });
+}
+
+// On a trainer, after start(): the loop of the parameter-server example.
+void psTrainer(Runtime& rt, int rank, bool quick) {
+  auto model = rt.rpcSync<PsModule>("worker0", "ps_model");
+  torchrpc::optim::DistributedOptimizer opt(
+      rt,
+      model.remoteParameters(),
+      torch::optim::SGDOptions(0.01));
+  auto [x, y] = psBatch(rank);
+  auto result = timedSteps(psBounds(quick), [&]() {
+    torchrpc::autograd::Context context(rt);
+    auto logits = model.forward(x);
+    auto loss = torch::nn::functional::cross_entropy(logits, y);
+    context.backward({loss});
+    opt.step(context.id());
+  });
+  std::cerr << "worker" << rank << ": " << result.first << " steps in "
+            << result.second << " s\n";
+  rt.rpcSync<bool>("worker0", "ps_report", result.first, result.second);
+}
+
+// Local steps/s (plain libtorch, in this process, before the trainers
+// start), then the trainers' aggregate steps/s; returns their ratio.
+double psStepsVsLocal(Runtime& rt, PsState& state, bool quick) {
+  auto bounds = psBounds(quick);
+  auto local = makePsModel();
+  torch::optim::SGD sgd(local->parameters(), torch::optim::SGDOptions(0.01));
+  auto [x, y] = psBatch(0);
+  auto localResult = timedSteps(bounds, [&]() {
+    sgd.zero_grad();
+    torch::nn::functional::cross_entropy(local->forward(x), y).backward();
+    sgd.step();
+  });
+  double localRate = localResult.first / localResult.second;
+  std::cerr << "local: " << localResult.first << " steps in "
+            << localResult.second << " s = " << localRate << " steps/s\n";
+
+  auto model = PsModule::withTypeName(rt, "worker0", kPsModelType);
+  std::unique_lock<std::mutex> lock(state.mutex);
+  state.model = model;
+  state.changed.notify_all();
+  double limit = bounds.windowSeconds * 4 + 60;
+  if (!state.changed.wait_for(lock, std::chrono::duration<double>(limit), [&] {
+        return state.reports.size() == 2;
+      })) {
+    throw std::runtime_error("the trainers did not report");
+  }
+  double aggregate = 0;
+  for (const auto& report : state.reports) {
+    aggregate += report.first / report.second;
+  }
+  std::cerr << "parameter server: aggregate " << aggregate
+            << " steps/s over 2 trainers; local " << localRate << " steps/s\n";
+  return aggregate / localRate;
+}
+
 // CPU seconds (user + sys, all threads) a process has used.
 double cpuSeconds(pid_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
@@ -505,7 +651,15 @@ int runWorker(
   if (s.workload == "dist_optimizer_step" && rank > 0) {
     registerParameters(rt);
   }
+  auto ps = std::make_shared<PsState>();
+  bool psWorkload = s.workload == "ps_steps_per_s_vs_local";
+  if (psWorkload && rank == 0) {
+    registerParameterServer(rt, ps);
+  }
   rt.start();
+  if (psWorkload && rank > 0) {
+    psTrainer(rt, rank, s.quick);
+  }
   if (s.workload == "idle_cpu_cores") {
     if (rank == 0) {
       rt.rpcSync<at::Tensor>("worker1", "add_one", at::ones({1}));
@@ -532,6 +686,8 @@ int runWorker(
       value = distAutogradOverhead(rt, s.quick);
     } else if (s.workload == "dist_optimizer_step") {
       value = distOptimizerStep(rt, s.quick);
+    } else if (psWorkload) {
+      value = psStepsVsLocal(rt, *ps, s.quick);
     }
     writeAll(resultFd, &value, sizeof(value));
   }
@@ -552,6 +708,7 @@ int main(int argc, char** argv) {
       {"rref_create_delete_per_s", {"rate", "rrefs/s", "higher"}},
       {"dist_autograd_overhead", {"overhead_per_iter", "us", "lower"}},
       {"dist_optimizer_step", {"median_step", "us", "lower"}},
+      {"ps_steps_per_s_vs_local", {"steps_per_s_ratio", "ratio", "higher"}},
   };
   auto known =
       std::find_if(kWorkloads.begin(), kWorkloads.end(), [&](const auto& w) {
