@@ -56,8 +56,8 @@ struct Config {
   int64_t seed = 1;
 };
 
-// Where the trainers' process group meets (Note: not the RPC store; the
-// group has a store of its own). In local mode a file the launcher made.
+// Where the trainers' process group meets in local mode (a store of its own,
+// not the RPC one's): a file made before the workers are started.
 constexpr const char* kStoreFileVariable = "DDP_RPC_STORE_FILE";
 
 // The embedding table: one bag (the mean of `bagSize` rows) per example.
@@ -204,7 +204,7 @@ int runTrainer(torchrpc::Runtime& rt, const Config& config, int trainer) {
   auto pg = trainerGroup(rt.options(), trainer, config.trainers);
 
   // The dense replica: identical everywhere, as DDP makes it, by taking
-  // trainer 1's initial values.
+  // trainer 1's initial values (each trainer draws different ones first).
   torch::manual_seed(config.seed + trainer);
   torch::nn::Linear dense(config.embeddingDim, 1);
   {
