@@ -56,8 +56,30 @@ c10::Dict<std::string, double> dictOf(
   return out;
 }
 
+// Adam and AdamW have the same options (they differ in how the step applies
+// weight decay).
+template <typename AdamLike>
+c10::Dict<std::string, double> adamValues(const AdamLike& o) {
+  return dictOf(
+      {{"lr", o.lr()},
+       {"betas.0", std::get<0>(o.betas())},
+       {"betas.1", std::get<1>(o.betas())},
+       {"eps", o.eps()},
+       {"weight_decay", o.weight_decay()},
+       {"amsgrad", o.amsgrad() ? 1.0 : 0.0}});
+}
+
 bool flag(const c10::Dict<std::string, double>& values, const char* name) {
   return values.at(name) != 0.0;
+}
+
+template <typename AdamLike>
+AdamLike adamOptions(const c10::Dict<std::string, double>& v) {
+  return AdamLike(v.at("lr"))
+      .betas(std::make_tuple(v.at("betas.0"), v.at("betas.1")))
+      .eps(v.at("eps"))
+      .weight_decay(v.at("weight_decay"))
+      .amsgrad(flag(v, "amsgrad"));
 }
 
 } // namespace
@@ -79,26 +101,10 @@ OptimizerOptions::OptimizerOptions(const torch::optim::SGDOptions& o)
                {"nesterov", o.nesterov() ? 1.0 : 0.0}})) {}
 
 OptimizerOptions::OptimizerOptions(const torch::optim::AdamOptions& o)
-    : OptimizerOptions(
-          "Adam",
-          dictOf(
-              {{"lr", o.lr()},
-               {"betas.0", std::get<0>(o.betas())},
-               {"betas.1", std::get<1>(o.betas())},
-               {"eps", o.eps()},
-               {"weight_decay", o.weight_decay()},
-               {"amsgrad", o.amsgrad() ? 1.0 : 0.0}})) {}
+    : OptimizerOptions("Adam", adamValues(o)) {}
 
 OptimizerOptions::OptimizerOptions(const torch::optim::AdamWOptions& o)
-    : OptimizerOptions(
-          "AdamW",
-          dictOf(
-              {{"lr", o.lr()},
-               {"betas.0", std::get<0>(o.betas())},
-               {"betas.1", std::get<1>(o.betas())},
-               {"eps", o.eps()},
-               {"weight_decay", o.weight_decay()},
-               {"amsgrad", o.amsgrad() ? 1.0 : 0.0}})) {}
+    : OptimizerOptions("AdamW", adamValues(o)) {}
 
 OptimizerOptions::OptimizerOptions(const torch::optim::AdagradOptions& o)
     : OptimizerOptions(
@@ -174,20 +180,12 @@ std::unique_ptr<torch::optim::Optimizer> OptimizerOptions::make(
   if (kind_ == "Adam") {
     return std::make_unique<torch::optim::Adam>(
         std::move(parameters),
-        torch::optim::AdamOptions(v.at("lr"))
-            .betas(std::make_tuple(v.at("betas.0"), v.at("betas.1")))
-            .eps(v.at("eps"))
-            .weight_decay(v.at("weight_decay"))
-            .amsgrad(flag(v, "amsgrad")));
+        adamOptions<torch::optim::AdamOptions>(v));
   }
   if (kind_ == "AdamW") {
     return std::make_unique<torch::optim::AdamW>(
         std::move(parameters),
-        torch::optim::AdamWOptions(v.at("lr"))
-            .betas(std::make_tuple(v.at("betas.0"), v.at("betas.1")))
-            .eps(v.at("eps"))
-            .weight_decay(v.at("weight_decay"))
-            .amsgrad(flag(v, "amsgrad")));
+        adamOptions<torch::optim::AdamWOptions>(v));
   }
   if (kind_ == "Adagrad") {
     return std::make_unique<torch::optim::Adagrad>(
