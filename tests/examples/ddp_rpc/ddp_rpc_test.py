@@ -22,47 +22,18 @@ import socket
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import example_process  # noqa: E402  (tests/examples/example_process.py)
+from example_process import check, fail  # noqa: E402
+
 RUN_TIMEOUT_S = 120
 TRAINERS = 2
 STEPS = 40
 
 
-def fail(message):
-    print("FAIL: " + message, file=sys.stderr)
-    sys.exit(1)
-
-
-def check(condition, message):
-    if not condition:
-        fail(message)
-
-
 def run(binary, args):
     """Runs the example; returns (exit code, stdout, stderr)."""
-    process = subprocess.Popen(
-        [binary] + args,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = process.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, err = process.communicate()
-        print(out, err)
-        fail("ddp_rpc %s did not finish in %d s" % (" ".join(args), RUN_TIMEOUT_S))
-    finally:
-        # The workers are in the example's group; none may outlive the test.
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    print("--- ddp_rpc " + " ".join(args))
-    print(out)
-    print(err, file=sys.stderr)
-    return process.returncode, out, err
+    return example_process.run(binary, args, RUN_TIMEOUT_S)
 
 
 def free_port_pair():

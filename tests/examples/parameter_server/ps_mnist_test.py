@@ -28,46 +28,17 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import example_process  # noqa: E402  (tests/examples/example_process.py)
+from example_process import check, fail  # noqa: E402
+
 RUN_TIMEOUT_S = 240
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def fail(message):
-    print("FAIL: " + message, file=sys.stderr)
-    sys.exit(1)
-
-
-def check(condition, message):
-    if not condition:
-        fail(message)
-
-
 def run(binary, args):
     """Runs the example; returns (exit code, stdout, stderr)."""
-    process = subprocess.Popen(
-        [binary] + args,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = process.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, err = process.communicate()
-        print(out, err)
-        fail("ps_mnist %s did not finish in %d s" % (" ".join(args), RUN_TIMEOUT_S))
-    finally:
-        # The workers are in the example's group; none may outlive the test.
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    print("--- ps_mnist " + " ".join(args))
-    print(out)
-    print(err, file=sys.stderr)
-    return process.returncode, out, err
+    return example_process.run(binary, args, RUN_TIMEOUT_S)
 
 
 # --- An independent reader of TensorBoard's record format -----------------
