@@ -350,8 +350,7 @@ TEST_P(GradientSemantics, APassEndedByReleasingItsContextNamesTheWorker) {
     pass->waitAndThrow();
     ADD_FAILURE() << "the pass outlived its context";
   } catch (const rpc::RpcError& e) {
-    EXPECT_TRUE(e.worker() == "worker0" || e.worker() == "worker1")
-        << e.what();
+    EXPECT_TRUE(e.worker() == "worker0" || e.worker() == "worker1") << e.what();
     EXPECT_EQ(e.function(), "autograd.backward") << e.what();
     EXPECT_NE(std::string(e.what()).find("released"), std::string::npos)
         << e.what();
