@@ -36,6 +36,7 @@ LocalOptimizer::LocalOptimizer(
       parameters_(std::move(parameters)) {
   auto layer = container_.lock();
   TORCH_CHECK(layer, "the runtime is gone");
+  std::vector<at::Tensor> values;
   for (const auto& parameter : parameters_) {
     TORCH_CHECK(
         parameter.isOwner(),
@@ -46,12 +47,10 @@ LocalOptimizer::LocalOptimizer(
         "an optimizer steps floating-point parameters, got one of dtype ",
         value.scalar_type());
     slots_.push_back(layer->parameterVersions().slotOf(value));
-    at::Tensor copy = value.detach().clone();
-    copy.set_requires_grad(true);
-    copies_.push_back(std::move(copy));
-    published_.push_back(value);
+    values.push_back(value);
   }
-  optimizer_ = options.make(copies_);
+  optimizer_ = std::make_unique<FlatOptimizer>(options, values);
+  published_ = std::move(values);
 }
 
 int64_t LocalOptimizer::step(int64_t contextId) {
@@ -68,28 +67,30 @@ int64_t LocalOptimizer::step(int64_t contextId) {
   // Steps on one worker never interleave: two trainers' updates of a shared
   // parameter are applied one after the other, none lost.
   auto updates = versions.lockUpdates();
-  std::vector<size_t> stepped;
+  const auto& copies = optimizer_->parameters();
+  std::vector<at::Tensor> stepGradients(parameters_.size());
   std::vector<at::Tensor> current(parameters_.size());
   for (size_t i = 0; i < parameters_.size(); ++i) {
     auto it = gradients.find(slots_[i]);
     if (it == gradients.end()) {
-      copies_[i].mutable_grad() = at::Tensor();
       continue;
     }
     current[i] = parameters_[i].localValue();
     if (!current[i].is_same(published_[i])) {
       at::NoGradGuard noGrad;
-      copies_[i].copy_(current[i]);
+      copies[i].copy_(current[i]);
     }
-    copies_[i].mutable_grad() = it->second;
-    stepped.push_back(i);
+    stepGradients[i] = it->second;
   }
-  if (stepped.empty()) {
+  if (optimizer_->step(stepGradients) == 0) {
     return 0;
   }
-  optimizer_->step();
-  for (size_t i : stepped) {
-    at::Tensor version = copies_[i].detach().clone();
+  int64_t stepped = 0;
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    if (!stepGradients[i].defined()) {
+      continue;
+    }
+    at::Tensor version = optimizer_->copyOf(i);
     version.set_requires_grad(current[i].requires_grad());
     // The parameter's .grad is left as it was.
     if (current[i].grad().defined()) {
@@ -98,33 +99,30 @@ int64_t LocalOptimizer::step(int64_t contextId) {
     versions.add(slots_[i], version);
     parameters_[i].setLocalValue(version);
     published_[i] = std::move(version);
-    copies_[i].mutable_grad() = at::Tensor();
+    ++stepped;
   }
   ++steps_;
-  return static_cast<int64_t>(stepped.size());
+  return stepped;
 }
 
 void LocalOptimizer::setLearningRate(double lr) {
   TORCH_CHECK(lr >= 0, "a learning rate must be >= 0, got ", lr);
   std::lock_guard<std::mutex> guard(mutex_);
-  for (auto& group : optimizer_->param_groups()) {
-    group.options().set_lr(lr);
-  }
+  optimizer_->setLearningRate(lr);
 }
 
-void LocalOptimizer::writeArchive(
-    torch::serialize::OutputArchive& archive) const {
+void LocalOptimizer::writeArchive(torch::serialize::OutputArchive& archive) {
   optimizer_->save(archive);
   archive.write(kKindKey, c10::IValue(kind_));
   c10::List<std::vector<int64_t>> shapes;
-  for (const auto& copy : copies_) {
+  for (const auto& copy : optimizer_->parameters()) {
     shapes.push_back(copy.sizes().vec());
   }
   archive.write(kShapesKey, c10::IValue(shapes));
   archive.write(kStepsKey, c10::IValue(steps_));
 }
 
-std::string LocalOptimizer::save() const {
+std::string LocalOptimizer::save() {
   std::lock_guard<std::mutex> guard(mutex_);
   torch::serialize::OutputArchive archive;
   writeArchive(archive);
@@ -154,21 +152,22 @@ double LocalOptimizer::load(const char* data, size_t size) {
   c10::IValue shapes;
   archive.read(kShapesKey, shapes);
   auto saved = shapes.toList();
+  const auto& copies = optimizer_->parameters();
   TORCH_CHECK(
-      saved.size() == copies_.size(),
+      saved.size() == copies.size(),
       "the checkpoint holds the state of ",
       saved.size(),
       " parameter(s); this optimizer has ",
-      copies_.size(),
+      copies.size(),
       " here");
-  for (size_t i = 0; i < copies_.size(); ++i) {
+  for (size_t i = 0; i < copies.size(); ++i) {
     auto shape = c10::IValue(saved.get(i)).toIntVector();
     TORCH_CHECK(
-        copies_[i].sizes().vec() == shape,
+        copies[i].sizes().vec() == shape,
         "parameter ",
         i,
         " has shape ",
-        copies_[i].sizes(),
+        copies[i].sizes(),
         " here; the checkpoint's has shape ",
         c10::IntArrayRef(shape));
   }
@@ -178,7 +177,7 @@ double LocalOptimizer::load(const char* data, size_t size) {
   std::lock_guard<std::mutex> guard(mutex_);
   optimizer_->load(archive);
   steps_ = steps.toInt();
-  return optimizer_->param_groups().at(0).options().get_lr();
+  return optimizer_->learningRate();
 }
 
 int64_t LocalOptimizer::stepCount() const {

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "torchrpc/autograd/context_container.h"
+#include "torchrpc/optim/detail/flat_optimizer.h"
 #include "torchrpc/optim/optimizer_options.h"
 #include "torchrpc/rpc/runtime.h"
 #include "torchrpc/rref/rref.h"
@@ -49,27 +50,27 @@ class LocalOptimizer : public torch::CustomClassHolder {
   int64_t step(int64_t contextId);
   void setLearningRate(double lr);
   // The whole state (libtorch's optimizer archive plus what checks a load).
-  std::string save() const;
+  std::string save();
   // Restores save()'s bytes; returns the restored learning rate. Throws
   // c10::Error naming the mismatch if the bytes are another optimizer's.
   double load(const char* data, size_t size);
   int64_t stepCount() const;
 
  private:
-  void writeArchive(torch::serialize::OutputArchive& archive) const;
+  void writeArchive(torch::serialize::OutputArchive& archive);
 
   const std::weak_ptr<autograd::ContextContainer> container_;
   const std::string kind_;
   const std::vector<rref::RRef<at::Tensor>> parameters_;
   std::vector<int64_t> slots_;
-  // The optimizer's own copies of the parameters, which it steps in place.
-  std::vector<at::Tensor> copies_;
-  // The version each copy was last published as, so that a copy is
+  // The version each of the optimizer's own copies of the parameters
+  // (optimizer_.parameters(), which it steps in place) was last published
+  // as, so that a copy is
   // refreshed only when another optimizer or a module published since.
   std::vector<at::Tensor> published_;
 
   mutable std::mutex mutex_;
-  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::unique_ptr<FlatOptimizer> optimizer_;
   int64_t steps_ = 0;
 };
 
