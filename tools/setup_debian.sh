@@ -37,6 +37,10 @@ packages=(
   libgloo-dev          # Gloo's headers, which c10d's ProcessGroupGloo.hpp
                        # includes (the DDP + RPC example)
   openmpi-bin          # mpirun, to test that workers run under Open MPI
+  slurmd               # srun, slurmctld, slurmd and munged, to test that workers
+  slurmctld            # run under Slurm: the test starts its own one-node
+  slurm-client         # cluster in a scratch directory (systemd's own units
+  munge                # stay idle: they need /etc/slurm/slurm.conf)
   python3-torch        # the PyTorch side of the benchmarks (/usr/bin/python3);
                        # torchrun, to test that workers run under it
   dataset-fashion-mnist  # the parameter-server example's data (gzip'd idx files)

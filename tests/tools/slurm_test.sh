@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Runs examples/hello_workers under a real `srun` on a one-node Slurm that
-# this script starts in a scratch directory (its own munged, slurmctld and
-# slurmd, on free ports; nothing of the system's Slurm or munge is used):
+# Runs examples/hello_workers, then a short run of the parameter-server
+# example, under a real `srun` on a one-node Slurm that this script starts in
+# a scratch directory (its own munged, slurmctld and slurmd, on free ports;
+# nothing of the system's Slurm or munge is used):
 #
-#   slurm_test.sh PATH/TO/hello_workers
+#   slurm_test.sh PATH/TO/hello_workers [PATH/TO/ps_mnist]
 #
 # Needs root (slurmd launches tasks as the job's user) and Debian's slurmd,
 # slurmctld, slurm-client and munge; exits 77 (CTest: skipped) with the
@@ -12,6 +13,7 @@
 set -uo pipefail
 
 hello="$1"
+ps_mnist="${2:-}"
 
 skip() {
   echo "SKIP: $*"
@@ -150,11 +152,32 @@ for line in \
   '^gradient of w through worker1 and worker1:  12$'; do
   grep -qE "${line}" "${out}" || fail "nothing matches '${line}'"
 done
-# Let the job's slurmstepd processes finish before the daemons go: each
+
+if [[ -n "${ps_mnist}" ]]; then
+  [[ -f /usr/share/datasets/fashion-mnist/t10k-labels-idx1-ubyte.gz ]] ||
+    fail "dataset-fashion-mnist is not installed (bash tools/setup_debian.sh)"
+  # One server and two trainers on a 2-CPU node: --overcommit. The port is
+  # named here (the derived one belongs to the job before).
+  MASTER_PORT="$(free_port 40000 50000)" timeout -k 5 200 \
+    srun --nodes 1 --ntasks 3 --overcommit --kill-on-bad-exit=1 \
+    "${ps_mnist}" --max-steps 20 --progress-seconds 0.5 \
+    --cache-dir "${work}/ps/cache" --log-dir "${work}/ps/runs" \
+    --checkpoint-dir "${work}/ps/checkpoints" >"${out}" 2>&1
+  rc=$?
+  [[ ${rc} -eq 0 ]] || fail "srun of ps_mnist exited with ${rc}"
+  for line in \
+    '^trainer1 epoch 1/[0-9]+ step [0-9]+' \
+    '^trainer2 epoch 1/[0-9]+ step [0-9]+' \
+    '^test accuracy: [0-9.]+% on 10000'; do
+    grep -qE "${line}" "${out}" || fail "nothing matches '${line}'"
+  done
+fi
+
+# Let the jobs' slurmstepd processes finish before the daemons go: each
 # keeps a socket in the spool directory while it runs.
 for _ in $(seq 100); do
   [[ -z "$(timeout 5 squeue -h 2>/dev/null)" ]] &&
     ! compgen -G "${work}/spool/${host}_*" >/dev/null && break
   sleep 0.1
 done
-echo "PASS HelloWorkersUnderSrun"
+echo "PASS ExamplesUnderSrun"
