@@ -39,8 +39,8 @@ packages=(
   openmpi-bin          # mpirun, to test that workers run under Open MPI
   slurmd               # srun, slurmctld, slurmd and munged, to test that workers
   slurmctld            # run under Slurm: the test starts its own one-node
-  slurm-client         # cluster in a scratch directory (systemd's own units
-  munge                # stay idle: they need /etc/slurm/slurm.conf)
+  slurm-client         # cluster in a scratch directory (the system's slurmd
+  munge                # and slurmctld stay idle without /etc/slurm/slurm.conf)
   python3-torch        # the PyTorch side of the benchmarks (/usr/bin/python3);
                        # torchrun, to test that workers run under it
   dataset-fashion-mnist  # the parameter-server example's data (gzip'd idx files)
