@@ -102,7 +102,7 @@ forward_signal() {
 
 case "${case_name}" in
   SetsTorchrunsEnvironment)
-    run 30 --nnodes 2 --node-rank 1 --nproc_per_node 2 \
+    run 30 --nnodes 2:2 --node-rank 1 --nproc_per_node 2 \
       --master-addr 10.9.8.7 --master_port 1234 --max-restarts 0 \
       --run-id job42 -- "${worker}" env
     expect_rc 0
@@ -243,6 +243,12 @@ case "${case_name}" in
     [[ ${rc} -ne 0 ]] || fail "--nproc-per-node 0 was accepted"
     run 10 --nnodes 2 --node-rank 2 -- true
     [[ ${rc} -ne 0 ]] || fail "--node-rank 2 of 2 was accepted"
+    run 10 --nnodes 1:2 -- true
+    [[ ${rc} -ne 0 ]] || fail "an elastic --nnodes 1:2 was accepted"
+    expect_match "${err}" 'elastic range \(1:2\) is not supported'
+    run 10 --nnodes 0 -- true
+    [[ ${rc} -ne 0 ]] || fail "--nnodes 0 was accepted"
+    expect_match "${err}" "expects N or N:N with N >= 1, got '0'"
     run 10 -- /nonexistent/program
     expect_rc 1
     expect_match "${err}" 'cannot execute /nonexistent/program'

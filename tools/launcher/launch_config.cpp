@@ -11,6 +11,7 @@
 #include <random>
 #include <sstream>
 #include <stdexcept>
+#include <string>
 
 namespace torchrpc {
 namespace launcher {
@@ -38,6 +39,43 @@ std::map<std::string, std::string> LaunchConfig::workerEnvironment(
   };
 }
 
+namespace {
+
+// torchrun's --nnodes: "N", or "MIN:MAX" for elastic jobs. A fixed group is
+// all torchrpc-launch runs, so MIN:MAX must name one number.
+int parseNnodes(const std::string& text) {
+  auto number = [&text](const std::string& part) {
+    size_t used = 0;
+    int value = 0;
+    try {
+      value = std::stoi(part, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != part.size() || value < 1) {
+      throw CLI::ValidationError(
+          "--nnodes", "expects N or N:N with N >= 1, got '" + text + "'");
+    }
+    return value;
+  };
+  size_t colon = text.find(':');
+  if (colon == std::string::npos) {
+    return number(text);
+  }
+  int low = number(text.substr(0, colon));
+  int high = number(text.substr(colon + 1));
+  if (low != high) {
+    throw CLI::ValidationError(
+        "--nnodes",
+        "an elastic range (" + text +
+            ") is not supported: torchrpc-launch runs a fixed group of "
+            "nodes; give one number");
+  }
+  return low;
+}
+
+} // namespace
+
 bool parseCommandLine(
     int argc,
     char** argv,
@@ -52,8 +90,12 @@ bool parseCommandLine(
   // Everything from the program on belongs to the program.
   app.prefix_command();
   double graceSeconds = 5.0;
-  app.add_option("--nnodes", config.nnodes, "number of nodes")
-      ->check(CLI::PositiveNumber);
+  std::string nnodes = "1";
+  app.add_option(
+      "--nnodes",
+      nnodes,
+      "number of nodes: N, or torchrun's N:N (an elastic MIN:MAX range is "
+      "refused)");
   app.add_option(
          "--nproc-per-node,--nproc_per_node",
          config.nprocPerNode,
@@ -104,6 +146,7 @@ bool parseCommandLine(
     if (config.command.empty()) {
       throw CLI::ValidationError("PROGRAM", "no program to run was given");
     }
+    config.nnodes = parseNnodes(nnodes);
     if (config.standalone) {
       if (config.nnodes != 1 || config.nodeRank != 0) {
         throw CLI::ValidationError(
