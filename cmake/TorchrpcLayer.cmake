@@ -26,7 +26,7 @@
 
 function(torchrpc_add_layer layer)
   cmake_parse_arguments(PARSE_ARGV 1 arg
-    "" "PROTO" "DEPENDS;PUBLIC_HEADERS;SOURCES;PRIVATE_LINK")
+    "" "" "PROTO;DEPENDS;PUBLIC_HEADERS;SOURCES;PRIVATE_LINK")
   if(arg_UNPARSED_ARGUMENTS)
     message(FATAL_ERROR
       "torchrpc_add_layer(${layer}): unknown arguments ${arg_UNPARSED_ARGUMENTS}")
@@ -35,21 +35,22 @@ function(torchrpc_add_layer layer)
   set(dir "${PROJECT_SOURCE_DIR}/${layer}")
 
   set(generated "")
-  if(arg_PROTO)
-    get_filename_component(protoName "${arg_PROTO}" NAME_WE)
-    get_filename_component(protoDir "${arg_PROTO}" DIRECTORY)
-    set(generated
+  foreach(proto IN LISTS arg_PROTO)
+    get_filename_component(protoName "${proto}" NAME_WE)
+    get_filename_component(protoDir "${proto}" DIRECTORY)
+    set(protoOutputs
       "${PROJECT_BINARY_DIR}/${protoDir}/${protoName}.pb.cc"
       "${PROJECT_BINARY_DIR}/${protoDir}/${protoName}.pb.h")
+    list(APPEND generated ${protoOutputs})
     add_custom_command(
-      OUTPUT ${generated}
+      OUTPUT ${protoOutputs}
       COMMAND protobuf::protoc
         --proto_path=${PROJECT_SOURCE_DIR} --cpp_out=${PROJECT_BINARY_DIR}
-        "${PROJECT_SOURCE_DIR}/${arg_PROTO}"
-      DEPENDS "${PROJECT_SOURCE_DIR}/${arg_PROTO}" protobuf::protoc
-      COMMENT "Generating ${layer}'s messages from ${arg_PROTO}"
+        "${PROJECT_SOURCE_DIR}/${proto}"
+      DEPENDS "${PROJECT_SOURCE_DIR}/${proto}" protobuf::protoc
+      COMMENT "Generating ${layer}'s messages from ${proto}"
       VERBATIM)
-  endif()
+  endforeach()
 
   set(sources "")
   foreach(source IN LISTS arg_SOURCES)

@@ -88,6 +88,16 @@ Options Options::fromEnvironment() {
   }
   options.peerTimeout = std::chrono::milliseconds(
       envInt("TORCHRPC_PEER_TIMEOUT_MS", options.peerTimeout.count()));
+  int64_t rendezvousMs = envInt(
+      "TORCHRPC_RENDEZVOUS_TIMEOUT_MS",
+      options.rendezvousTimeout.count());
+  TORCH_CHECK(
+      rendezvousMs > 0,
+      "TORCHRPC_RENDEZVOUS_TIMEOUT_MS must be positive");
+  options.rendezvousTimeout = std::chrono::milliseconds(rendezvousMs);
+  if (const char* storeAddress = std::getenv("TORCHRPC_STORE_LISTEN_ADDR")) {
+    options.storeListenAddress = storeAddress;
+  }
   return options;
 }
 

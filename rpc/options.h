@@ -67,8 +67,15 @@ struct Options {
   // / MASTER_PORT, and the rendezvous keys of each launch.restartCount are
   // kept apart, so a restarted group meets again on a reused store.
   LaunchEnvironment launch;
-  // How long start() waits for every worker to appear.
+  // How long start() waits for every worker to appear (it logs the ranks
+  // still missing every 10 s meanwhile).
   std::chrono::milliseconds rendezvousTimeout{std::chrono::minutes(5)};
+  // Where rank 0's rendezvous store listens (env:// and tcp://; see Note
+  // [Rendezvous store]): a host or IP, on the rendezvous port. Empty: the
+  // rendezvous host's own address (MASTER_ADDR's, the tcp:// host), so
+  // that a job on loopback is reachable on loopback only. "0.0.0.0" for
+  // every interface. It honours sharedSecret whatever the transport.
+  std::string storeListenAddress;
 
   // Threads that run handlers and continuations.
   size_t numWorkerThreads = 4;
@@ -136,9 +143,10 @@ struct Options {
   // environment]), then TORCHRPC_INIT_METHOD, TORCHRPC_LISTEN_ADDR,
   // TORCHRPC_NUM_THREADS, TORCHRPC_TIMEOUT_MS, TORCHRPC_SPIN_US,
   // TORCHRPC_TRANSPORT ("tcp", "tensorpipe", "tensorpipe-shm"),
-  // TORCHRPC_SHARED_SECRET and TORCHRPC_PEER_TIMEOUT_MS. With no launcher's
-  // variables, rank 0 of 1. Throws c10::Error naming the variable (and
-  // launcher) that is missing or malformed.
+  // TORCHRPC_SHARED_SECRET, TORCHRPC_PEER_TIMEOUT_MS,
+  // TORCHRPC_RENDEZVOUS_TIMEOUT_MS and TORCHRPC_STORE_LISTEN_ADDR. With no
+  // launcher's variables, rank 0 of 1. Throws c10::Error naming the variable
+  // (and launcher) that is missing or malformed.
   static Options fromEnvironment();
 };
 

@@ -5,6 +5,8 @@
 #include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <algorithm>
+
 #include "torchrpc/rpc/detail/call_handler.h"
 #include "torchrpc/rpc/detail/rendezvous.h"
 #include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
@@ -16,7 +18,7 @@ namespace rpc {
 
 // The store and the rendezvous state of a started runtime.
 struct RuntimeStore {
-  c10::intrusive_ptr<c10d::Store> store;
+  detail::OpenedStore opened;
   std::unique_ptr<detail::Rendezvous> rendezvous;
 };
 
@@ -179,13 +181,18 @@ void Runtime::start() {
   auto store = std::make_shared<RuntimeStore>();
   try {
     std::string address = agent_->listen();
-    store->store = detail::openStore(options_);
+    store->opened = detail::openStore(options_);
     store->rendezvous = std::make_unique<detail::Rendezvous>(
-        store->store,
+        store->opened.store,
         options_.rank,
         options_.worldSize,
         options_.rendezvousTimeout,
-        options_.launch.restartCount);
+        options_.launch.restartCount,
+        // Every 10 s, and at least four times before the time limit.
+        std::clamp<std::chrono::milliseconds>(
+            options_.rendezvousTimeout / 5,
+            std::chrono::milliseconds(100),
+            std::chrono::seconds(10)));
     auto layout =
         store->rendezvous->join(self_.name, address, options_.deviceMaps);
     agent_->setWorkers(

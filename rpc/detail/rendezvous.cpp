@@ -1,13 +1,21 @@
 #include "torchrpc/rpc/detail/rendezvous.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+
+#include <algorithm>
 #include <cstdlib>
 #include <sstream>
 #include <unordered_map>
+
+#include "torchrpc/rpc/detail/store_client.h"
 
 namespace torchrpc {
 namespace rpc {
@@ -42,22 +50,94 @@ uint16_t parsePort(const std::string& text, const std::string& what) {
   return static_cast<uint16_t>(port);
 }
 
-c10::intrusive_ptr<c10d::Store> openTcpStore(
+// torchrun's agent store is a c10d TCPStore that torchrun hosts: workers
+// join it as clients.
+c10::intrusive_ptr<c10d::Store> openAgentStore(
     const std::string& host,
     uint16_t port,
-    bool isServer,
     const Options& options) {
   c10d::TCPStoreOptions storeOptions;
   storeOptions.port = port;
-  storeOptions.isServer = isServer;
+  storeOptions.isServer = false;
   storeOptions.numWorkers = c10::nullopt;
   storeOptions.waitWorkers = false;
   storeOptions.timeout = options.rendezvousTimeout;
   return c10::make_intrusive<c10d::TCPStore>(host, storeOptions);
 }
 
-std::vector<uint8_t> bytesOf(const std::string& text) {
-  return std::vector<uint8_t>(text.begin(), text.end());
+// `host` as a numeric IP ("localhost" -> "127.0.0.1"); IPv4 first.
+std::string numericAddress(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &found);
+  TORCH_CHECK(
+      rc == 0 && found != nullptr,
+      "cannot resolve the rendezvous host '",
+      host,
+      "': ",
+      rc == 0 ? "no address" : gai_strerror(rc));
+  std::string best;
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    char text[INET6_ADDRSTRLEN] = {0};
+    if (a->ai_family == AF_INET) {
+      ::inet_ntop(
+          AF_INET,
+          &reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr,
+          text,
+          sizeof(text));
+      best = text;
+      break;
+    }
+    if (a->ai_family == AF_INET6 && best.empty()) {
+      ::inet_ntop(
+          AF_INET6,
+          &reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr,
+          text,
+          sizeof(text));
+      best = text;
+    }
+  }
+  ::freeaddrinfo(found);
+  TORCH_CHECK(!best.empty(), "the rendezvous host '", host, "' has no IP");
+  return best;
+}
+
+std::string withPort(const std::string& ip, uint16_t port) {
+  bool ipv6 = ip.find(':') != std::string::npos;
+  return (ipv6 ? "[" + ip + "]" : ip) + ":" + std::to_string(port);
+}
+
+// torchrpc's own store (Note [Rendezvous store]) at host:port: rank 0
+// serves it and reads it in process, the others connect.
+OpenedStore openOwnStore(
+    const std::string& host,
+    uint16_t port,
+    const Options& options) {
+  std::string ip = numericAddress(host);
+  OpenedStore opened;
+  if (options.rank == 0) {
+    StoreServerOptions serverOptions;
+    serverOptions.listenAddress = withPort(
+        options.storeListenAddress.empty()
+            ? ip
+            : numericAddress(options.storeListenAddress),
+        port);
+    serverOptions.sharedSecret = options.sharedSecret;
+    opened.server = std::make_unique<StoreServer>(std::move(serverOptions));
+    opened.store = localStore(
+        opened.server->state(),
+        "the rendezvous store this worker hosts at " +
+            opened.server->address());
+    return opened;
+  }
+  StoreClientOptions clientOptions;
+  clientOptions.address = "tcp://" + withPort(ip, port);
+  clientOptions.sharedSecret = options.sharedSecret;
+  clientOptions.timeout = options.rendezvousTimeout;
+  opened.store = connectToStore(std::move(clientOptions));
+  return opened;
 }
 
 // Device maps travel as lines "destination<TAB>from<TAB>to".
@@ -113,9 +193,11 @@ void validateWorkerName(const std::string& name) {
   }
 }
 
-c10::intrusive_ptr<c10d::Store> openStore(const Options& options) {
+OpenedStore openStore(const Options& options) {
   if (options.store) {
-    return options.store;
+    OpenedStore opened;
+    opened.store = wrapC10dStore(options.store, "the store given in Options");
+    return opened;
   }
   const std::string& method = options.initMethod;
   if (method == "env://") {
@@ -127,16 +209,17 @@ c10::intrusive_ptr<c10d::Store> openStore(const Options& options) {
     uint16_t port = launch.masterPort != 0
         ? static_cast<uint16_t>(launch.masterPort)
         : parsePort(requireEnv("MASTER_PORT", launch.launcher), "MASTER_PORT");
-    // Under torchrun's elastic agent the store already exists and rank 0
-    // must join it as a client.
+    // Under torchrun's elastic agent the store already exists (torchrun's
+    // own TCPStore) and every rank joins it as a client.
     const char* agentStore = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
-    bool useAgentStore =
-        agentStore != nullptr && std::string(agentStore) == "True";
-    return openTcpStore(
-        host,
-        port,
-        options.rank == 0 && !useAgentStore,
-        options);
+    if (agentStore != nullptr && std::string(agentStore) == "True") {
+      OpenedStore opened;
+      opened.store = wrapC10dStore(
+          openAgentStore(host, port, options),
+          "torchrun's agent store at " + host + ":" + std::to_string(port));
+      return opened;
+    }
+    return openOwnStore(host, port, options);
   }
   const std::string tcp = "tcp://";
   if (method.compare(0, tcp.size(), tcp) == 0) {
@@ -152,7 +235,7 @@ c10::intrusive_ptr<c10d::Store> openStore(const Options& options) {
       host = host.substr(1, host.size() - 2);
     }
     uint16_t port = parsePort(rest.substr(colon + 1), "init method port");
-    return openTcpStore(host, port, options.rank == 0, options);
+    return openOwnStore(host, port, options);
   }
   const std::string file = "file://";
   if (method.compare(0, file.size(), file) == 0) {
@@ -162,7 +245,9 @@ c10::intrusive_ptr<c10d::Store> openStore(const Options& options) {
         path,
         static_cast<int>(options.worldSize));
     store->setTimeout(options.rendezvousTimeout);
-    return store;
+    OpenedStore opened;
+    opened.store = wrapC10dStore(store, "the file store " + path);
+    return opened;
   }
   TORCH_CHECK(
       false,
@@ -172,15 +257,17 @@ c10::intrusive_ptr<c10d::Store> openStore(const Options& options) {
 }
 
 Rendezvous::Rendezvous(
-    c10::intrusive_ptr<c10d::Store> store,
+    std::shared_ptr<RendezvousStore> store,
     int64_t rank,
     int64_t worldSize,
     std::chrono::milliseconds timeout,
-    int64_t restartCount)
+    int64_t restartCount,
+    std::chrono::milliseconds progressInterval)
     : store_(std::move(store)),
       rank_(rank),
       worldSize_(worldSize),
-      timeout_(timeout) {
+      timeout_(timeout),
+      progressInterval_(progressInterval) {
   // See Note [Rendezvous keys]. Within a restart generation every start of a
   // rank takes the next start number, so a reused store never shows this
   // start the keys of an earlier one; ranks of one generation start the
@@ -201,27 +288,27 @@ std::string Rendezvous::key(const std::string& suffix) const {
 
 bool Rendezvous::waitForKeys(
     const std::vector<std::string>& keys,
-    Clock::time_point deadline,
-    std::vector<int64_t>* missingRanks) {
+    Clock::time_point deadline) {
   auto remaining = std::chrono::duration_cast<std::chrono::milliseconds>(
       deadline - Clock::now());
   try {
-    store_->wait(keys, std::max(remaining, std::chrono::milliseconds(1)));
-    return true;
+    return store_->wait(
+        keys,
+        std::max(remaining, std::chrono::milliseconds(1)));
   } catch (const std::exception&) {
+    return false;
   }
-  if (missingRanks != nullptr) {
-    for (size_t rank = 0; rank < keys.size(); ++rank) {
-      try {
-        if (!store_->check({keys[rank]})) {
-          missingRanks->push_back(static_cast<int64_t>(rank));
-        }
-      } catch (const std::exception&) {
-        missingRanks->push_back(static_cast<int64_t>(rank));
-      }
+}
+
+std::vector<int64_t> Rendezvous::missingRanks(
+    const std::vector<std::string>& keys) {
+  std::vector<int64_t> missing;
+  for (size_t rank = 0; rank < keys.size(); ++rank) {
+    if (!store_->check({keys[rank]})) {
+      missing.push_back(static_cast<int64_t>(rank));
     }
   }
-  return false;
+  return missing;
 }
 
 JobLayout Rendezvous::join(
@@ -229,42 +316,88 @@ JobLayout Rendezvous::join(
     const std::string& address,
     const std::map<std::string, DeviceMap>& deviceMaps) {
   validateWorkerName(name);
-  store_->set(key("name/" + std::to_string(rank_)), bytesOf(name));
-  store_->set(key("address/" + std::to_string(rank_)), bytesOf(address));
+  store_->set(key("name/" + std::to_string(rank_)), name);
+  store_->set(key("address/" + std::to_string(rank_)), address);
   store_->set(
       key("devicemaps/" + std::to_string(rank_)),
-      bytesOf(encodeDeviceMaps(deviceMaps)));
+      encodeDeviceMaps(deviceMaps));
   // Written last: its presence says the others are there.
   std::vector<std::string> readyKeys;
   for (int64_t rank = 0; rank < worldSize_; ++rank) {
     readyKeys.push_back(key("ready/" + std::to_string(rank)));
   }
-  store_->set(readyKeys[rank_], bytesOf("1"));
+  store_->set(readyKeys[rank_], "1");
 
-  std::vector<int64_t> missing;
-  if (!waitForKeys(readyKeys, Clock::now() + timeout_, &missing)) {
-    std::ostringstream ranks;
-    for (size_t i = 0; i < missing.size(); ++i) {
-      ranks << (i ? ", " : "") << missing[i];
+  // In slices, to say who is missing meanwhile. Store errors propagate:
+  // they are the store's, not ranks that did not arrive.
+  const auto start = Clock::now();
+  const auto deadline = start + timeout_;
+  auto ranksText = [](const std::vector<int64_t>& ranks) {
+    std::ostringstream text;
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      text << (i ? ", " : "") << ranks[i];
     }
+    return text.str();
+  };
+  std::vector<int64_t> missing;
+  while (true) {
+    auto sliceEnd = std::min(deadline, Clock::now() + progressInterval_);
+    auto slice = std::chrono::duration_cast<std::chrono::milliseconds>(
+        sliceEnd - Clock::now());
+    try {
+      if (store_->wait(
+              readyKeys,
+              std::max(slice, std::chrono::milliseconds(1)))) {
+        break;
+      }
+      missing = missingRanks(readyKeys);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(
+          false,
+          "rendezvous of worker '",
+          name,
+          "' (rank ",
+          rank_,
+          ") failed: ",
+          e.what_without_backtrace(),
+          missing.empty()
+              ? std::string()
+              : " (rank(s) " + ranksText(missing) + " had not arrived yet)");
+    }
+    if (missing.empty()) {
+      break;
+    }
+    auto seconds = [](Clock::duration d) {
+      std::ostringstream text;
+      text.precision(1);
+      text << std::fixed << std::chrono::duration<double>(d).count() << " s";
+      return text.str();
+    };
+    std::string waited = seconds(Clock::now() - start);
     TORCH_CHECK(
-        false,
+        Clock::now() < deadline,
         "rendezvous timed out after ",
         timeout_.count(),
         " ms: rank(s) ",
-        ranks.str(),
+        ranksText(missing),
         " of ",
         worldSize_,
-        " never arrived");
+        " never arrived at ",
+        store_->describe(),
+        " (TORCHRPC_RENDEZVOUS_TIMEOUT_MS sets the time limit)");
+    LOG(WARNING) << "worker '" << name << "' (rank " << rank_
+                 << "): waiting for rank(s) " << ranksText(missing) << " of "
+                 << worldSize_ << " at " << store_->describe() << " (" << waited
+                 << " of " << seconds(timeout_) << ")";
   }
 
   JobLayout layout;
   std::unordered_map<std::string, int64_t> seen;
   for (int64_t rank = 0; rank < worldSize_; ++rank) {
-    auto nameBytes = store_->get(key("name/" + std::to_string(rank)));
-    auto addressBytes = store_->get(key("address/" + std::to_string(rank)));
-    auto mapsBytes = store_->get(key("devicemaps/" + std::to_string(rank)));
-    std::string workerName(nameBytes.begin(), nameBytes.end());
+    std::string workerName = store_->get(key("name/" + std::to_string(rank)));
+    std::string workerAddress =
+        store_->get(key("address/" + std::to_string(rank)));
+    std::string maps = store_->get(key("devicemaps/" + std::to_string(rank)));
     auto inserted = seen.emplace(workerName, rank);
     TORCH_CHECK(
         inserted.second,
@@ -276,11 +409,9 @@ JobLayout Rendezvous::join(
         rank,
         "; names must be unique");
     layout.workers.push_back(WorkerInfo{workerName, rank});
-    layout.addresses.emplace_back(addressBytes.begin(), addressBytes.end());
+    layout.addresses.push_back(std::move(workerAddress));
     if (rank != rank_) {
-      auto map = decodeDeviceMapTowards(
-          std::string(mapsBytes.begin(), mapsBytes.end()),
-          name);
+      auto map = decodeDeviceMapTowards(maps, name);
       if (!map.empty()) {
         layout.peerMapsTowardsUs.emplace(rank, std::move(map));
       }
@@ -295,17 +426,17 @@ bool Rendezvous::barrier(const std::string& phase, Clock::time_point deadline) {
     keys.push_back(key(phase + "/" + std::to_string(rank)));
   }
   try {
-    store_->set(keys[rank_], bytesOf("1"));
+    store_->set(keys[rank_], "1");
   } catch (const std::exception&) {
     return false;
   }
-  return waitForKeys(keys, deadline, nullptr);
+  return waitForKeys(keys, deadline);
 }
 
 bool Rendezvous::leave(Clock::time_point deadline) {
   if (rank_ != 0) {
     try {
-      store_->set(key("left/" + std::to_string(rank_)), bytesOf("1"));
+      store_->set(key("left/" + std::to_string(rank_)), "1");
       return true;
     } catch (const std::exception&) {
       return false;
@@ -315,7 +446,7 @@ bool Rendezvous::leave(Clock::time_point deadline) {
   for (int64_t rank = 1; rank < worldSize_; ++rank) {
     keys.push_back(key("left/" + std::to_string(rank)));
   }
-  return keys.empty() || waitForKeys(keys, deadline, nullptr);
+  return keys.empty() || waitForKeys(keys, deadline);
 }
 
 } // namespace detail

@@ -1,27 +1,33 @@
 #pragma once
 
-#include <c10/util/intrusive_ptr.h>
-
 #include <chrono>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "torchrpc/rpc/detail/rendezvous_store.h"
+#include "torchrpc/rpc/detail/store_server.h"
 #include "torchrpc/rpc/options.h"
 #include "torchrpc/rpc/worker_info.h"
-
-namespace c10d {
-class Store;
-} // namespace c10d
 
 namespace torchrpc {
 namespace rpc {
 namespace detail {
 
+// The store a worker rendezvouses through, and the server when this worker
+// hosts it (rank 0 with env:// or tcp://, unless torchrun's agent hosts it).
+struct OpenedStore {
+  std::unique_ptr<StoreServer> server;
+  std::shared_ptr<RendezvousStore> store;
+};
+
 // Opens the store named by options.initMethod ("env://", "tcp://host:port",
-// "file://path"), or returns options.store. Throws c10::Error with the
-// reason (a missing variable, an unreachable master) on failure.
-c10::intrusive_ptr<c10d::Store> openStore(const Options& options);
+// "file://path"), or wraps options.store. Rank 0 starts torchrpc's own
+// store server (Note [Rendezvous store]) on options.storeListenAddress, by
+// default the rendezvous host's address. Throws c10::Error with the reason
+// (a missing variable, an address it cannot listen on) on failure.
+OpenedStore openStore(const Options& options);
 
 // What every worker learns at start-up.
 struct JobLayout {
@@ -49,15 +55,18 @@ struct JobLayout {
 // Meets every other worker through the store: publishes this worker's name,
 // address and device maps, waits for everyone's, validates names (unique,
 // [A-Za-z0-9_.:-], 1..128 characters). See Note [Rendezvous keys].
-// Throws c10::Error naming the missing ranks on timeout.
+// While waiting it logs, every progressInterval, the ranks still missing;
+// on timeout it throws c10::Error naming exactly those. A failing store is
+// reported as the store's error, never as ranks that did not arrive.
 class Rendezvous {
  public:
   Rendezvous(
-      c10::intrusive_ptr<c10d::Store> store,
+      std::shared_ptr<RendezvousStore> store,
       int64_t rank,
       int64_t worldSize,
       std::chrono::milliseconds timeout,
-      int64_t restartCount = 0);
+      int64_t restartCount = 0,
+      std::chrono::milliseconds progressInterval = std::chrono::seconds(10));
 
   JobLayout join(
       const std::string& name,
@@ -79,13 +88,15 @@ class Rendezvous {
   std::string key(const std::string& suffix) const;
   bool waitForKeys(
       const std::vector<std::string>& keys,
-      std::chrono::steady_clock::time_point deadline,
-      std::vector<int64_t>* missingRanks);
+      std::chrono::steady_clock::time_point deadline);
+  // The ranks whose key in `keys` (indexed by rank) is not in the store.
+  std::vector<int64_t> missingRanks(const std::vector<std::string>& keys);
 
-  c10::intrusive_ptr<c10d::Store> store_;
+  std::shared_ptr<RendezvousStore> store_;
   int64_t rank_;
   int64_t worldSize_;
   std::chrono::milliseconds timeout_;
+  std::chrono::milliseconds progressInterval_;
   std::string prefix_;
 };
 

@@ -188,6 +188,67 @@ TEST(Rendezvous, UnknownInitMethodIsRefused) {
   EXPECT_THROW(rt.start(), c10::Error);
 }
 
+// Ranks 0 and 1 of 3 meet; rank 2 never comes. Both say, while waiting and
+// when they give up, exactly which rank is missing (a follower once named
+// itself and ranks that had arrived).
+TEST(Rendezvous, AMissingRankIsNamedExactlyWhileWaitingAndAtTheTimeout) {
+  auto network = std::make_shared<rpc::InProcessNetwork>();
+  auto method = "tcp://127.0.0.1:" + std::to_string(freePort());
+  std::vector<std::future<std::string>> errors;
+  ::testing::internal::CaptureStderr();
+  for (int rank = 0; rank < 2; ++rank) {
+    errors.push_back(std::async(std::launch::async, [&, rank]() {
+      auto o = baseOptions(rank, 3, network);
+      o.initMethod = method;
+      // The follower gives up first, while rank 0 still hosts the store.
+      o.rendezvousTimeout = rank == 0 ? 4000ms : 2000ms;
+      rpc::Runtime rt("w" + std::to_string(rank), o);
+      try {
+        rt.start();
+      } catch (const c10::Error& e) {
+        return std::string(e.what_without_backtrace());
+      }
+      return std::string("started");
+    }));
+  }
+  std::vector<std::string> messages;
+  for (auto& error : errors) {
+    messages.push_back(error.get());
+  }
+  std::string log = ::testing::internal::GetCapturedStderr();
+  for (const auto& message : messages) {
+    EXPECT_NE(
+        message.find("rank(s) 2 of 3 never arrived at the rendezvous store"),
+        std::string::npos)
+        << message;
+    EXPECT_NE(message.find("TORCHRPC_RENDEZVOUS_TIMEOUT_MS"), std::string::npos)
+        << message;
+  }
+  for (const char* who : {"worker 'w0' (rank 0)", "worker 'w1' (rank 1)"}) {
+    EXPECT_NE(
+        log.find(std::string(who) + ": waiting for rank(s) 2 of 3"),
+        std::string::npos)
+        << log;
+  }
+}
+
+TEST(Options, TheRendezvousTimeoutAndStoreAddressComeFromTheEnvironment) {
+  testing::ScopedLauncherEnv env;
+  env.set(
+      {{"RANK", "0"},
+       {"WORLD_SIZE", "1"},
+       {"TORCHRPC_RENDEZVOUS_TIMEOUT_MS", "1500"},
+       {"TORCHRPC_STORE_LISTEN_ADDR", "0.0.0.0"}});
+  auto o = rpc::Options::fromEnvironment();
+  EXPECT_EQ(o.rendezvousTimeout, 1500ms);
+  EXPECT_EQ(o.storeListenAddress, "0.0.0.0");
+  env.set({{"TORCHRPC_RENDEZVOUS_TIMEOUT_MS", "0"}});
+  EXPECT_THROW(rpc::Options::fromEnvironment(), c10::Error);
+  // Not launcher variables: ScopedLauncherEnv does not restore them.
+  unsetenv("TORCHRPC_RENDEZVOUS_TIMEOUT_MS");
+  unsetenv("TORCHRPC_STORE_LISTEN_ADDR");
+}
+
 TEST(Options, FromEnvironmentReadsRankWorldSizeAndSettings) {
   setenv("RANK", "3", 1);
   setenv("WORLD_SIZE", "4", 1);
