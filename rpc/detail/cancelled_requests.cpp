@@ -4,7 +4,7 @@ namespace torchrpc {
 namespace rpc {
 namespace detail {
 
-void CancelledRequests::add(uint64_t id, Clock::time_point forgetAt) {
+bool CancelledRequests::add(uint64_t id, Clock::time_point forgetAt) {
   auto now = Clock::now();
   std::lock_guard<std::mutex> guard(mutex_);
   // Entries are few (cancels are rare and short-lived), so a sweep per
@@ -12,8 +12,12 @@ void CancelledRequests::add(uint64_t id, Clock::time_point forgetAt) {
   for (auto it = forgetAt_.begin(); it != forgetAt_.end();) {
     it = it->second <= now ? forgetAt_.erase(it) : std::next(it);
   }
+  if (forgetAt_.size() >= kMaxEntries && forgetAt_.count(id) == 0) {
+    return false;
+  }
   forgetAt_[id] = forgetAt;
   size_.store(forgetAt_.size(), std::memory_order_release);
+  return true;
 }
 
 bool CancelledRequests::isCancelled(uint64_t id) const {

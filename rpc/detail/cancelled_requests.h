@@ -20,8 +20,8 @@ namespace detail {
 // an id is never taken out, so every entry also expires: `forgetAt` is the
 // cancel's arrival plus the call's timeout. A request always arrives before
 // its cancel (same connection, in order), so by then its own deadline has
-// passed too and the deadline alone keeps it cancelled. Memory is bounded by
-// the rate of cancels times the timeout.
+// passed too and the deadline alone keeps it cancelled. Entries are capped
+// (kMaxEntries) besides.
 //
 // Checking costs one atomic load while no cancel is pending (the common
 // case); the mutex is taken only when one is.
@@ -29,8 +29,14 @@ class CancelledRequests final : public CancellationSource {
  public:
   using Clock = std::chrono::steady_clock;
 
-  // Records a cancel; forgets entries whose time has come.
-  void add(uint64_t id, Clock::time_point forgetAt);
+  // At most this many entries: a peer that floods cancels cannot make the
+  // table, or the sweep in add(), grow without bound. A cancel over the cap
+  // is ignored; the request's own deadline still holds.
+  static constexpr size_t kMaxEntries = 1024;
+
+  // Records a cancel; forgets entries whose time has come. Whether it was
+  // recorded.
+  bool add(uint64_t id, Clock::time_point forgetAt);
 
   bool isCancelled(uint64_t id) const override;
 

@@ -38,5 +38,21 @@ TEST(CancelledRequests, ForgetsEntriesWhoseTimeHasCome) {
   EXPECT_EQ(table.size(), 1u);
 }
 
+// A peer flooding cancels with long timeouts cannot grow the table.
+TEST(CancelledRequests, IgnoresCancelsOverTheCap) {
+  CancelledRequests table;
+  auto later = Clock::now() + 60s;
+  for (uint64_t id = 0; id < CancelledRequests::kMaxEntries; ++id) {
+    EXPECT_TRUE(table.add(id, later));
+  }
+  EXPECT_FALSE(table.add(CancelledRequests::kMaxEntries, later));
+  EXPECT_FALSE(table.isCancelled(CancelledRequests::kMaxEntries));
+  EXPECT_EQ(table.size(), CancelledRequests::kMaxEntries);
+  // Taking one out makes room again.
+  EXPECT_TRUE(table.take(0));
+  EXPECT_TRUE(table.add(CancelledRequests::kMaxEntries, later));
+  EXPECT_TRUE(table.isCancelled(CancelledRequests::kMaxEntries));
+}
+
 } // namespace
 } // namespace torchrpc
