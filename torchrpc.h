@@ -24,6 +24,7 @@
 #include "torchrpc/rpc/function_registry.h"
 #include "torchrpc/rpc/future.h"
 #include "torchrpc/rpc/options.h"
+#include "torchrpc/rpc/request_cancellation.h"
 #include "torchrpc/rpc/runtime.h"
 #include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
 #include "torchrpc/rpc/transport/inprocess/network.h"

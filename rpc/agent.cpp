@@ -16,7 +16,9 @@
 #include <unordered_set>
 
 #include "proto/rpc/envelope.pb.h"
+#include "torchrpc/rpc/detail/cancelled_requests.h"
 #include "torchrpc/rpc/detail/spinning_thread_pool.h"
+#include "torchrpc/rpc/request_cancellation.h"
 #include "torchrpc/rpc/request_scope.h"
 #include "torchrpc/rpc/wire/envelope.h"
 
@@ -35,6 +37,23 @@ const DeviceMap* mapFor(
   return it == maps.end() || it->second.empty() ? nullptr : &it->second;
 }
 
+// Longer timeouts count as none, so that no peer can overflow the clock.
+constexpr uint64_t kMaxTimeoutMs = 365ull * 24 * 3600 * 1000;
+
+// Where a request's or a cancel's timeout runs out here: counted from its
+// arrival, so never before the caller's own deadline (the time in transit
+// only makes the callee later). Reads the clock only for a timeout.
+Clock::time_point deadlineHere(uint64_t timeoutMs) {
+  if (timeoutMs == 0 || timeoutMs > kMaxTimeoutMs) {
+    return Clock::time_point::max();
+  }
+  return Clock::now() + std::chrono::milliseconds(timeoutMs);
+}
+
+bool hasPassed(Clock::time_point deadline) {
+  return deadline != Clock::time_point::max() && Clock::now() >= deadline;
+}
+
 } // namespace
 
 // One connection as the agent tracks it. Outgoing connections carry our
@@ -44,6 +63,8 @@ struct AgentConnection {
   std::shared_ptr<Connection> connection;
   bool outgoing = false;
   int64_t peer = -1; // known for outgoing connections only
+  // Incoming connections only: requests their callers gave up on.
+  detail::CancelledRequests cancelled;
 };
 
 struct PendingCall {
@@ -54,6 +75,8 @@ struct PendingCall {
   std::string peerName;
   std::string what;
   Clock::time_point deadline = Clock::time_point::max();
+  // Travels with the cancel message; see detail::CancelledRequests.
+  std::chrono::milliseconds timeout{0};
 };
 
 // Note [Where messages are handled]
@@ -64,6 +87,30 @@ struct PendingCall {
 // the response to a call whose future nobody else can see (rpcSync, marked
 // OutgoingRequest::awaitedSynchronously) is decoded and completed right on
 // the transport thread, since the only thing waiting is the caller's wait().
+// Cancel messages are handled on the transport thread too (Note [Cancelled
+// requests]).
+
+// Note [Cancelled requests]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// A caller gives up on a call when its timeout fires; the callee should not
+// spend a thread on it then, least of all after a stall, when every queued
+// call is one nobody waits for. Two signals reach the callee:
+//  - the request's timeout (envelope timeout_ms), turned into a deadline on
+//    arrival (deadlineHere). Costs nothing on the wire and survives a lost
+//    cancel, but a callee that was stopped reads old requests as new ones;
+//  - a cancel message (kCancelMessageKind, the request's id), sent by the
+//    caller's timer on the connection the request took, so it arrives after
+//    the request. The transport thread records it in the connection's
+//    CancelledRequests at once: it must not queue behind the very handlers
+//    it cancels.
+// The pool checks both just before a handler would run: a request of a
+// kDropIfQueued kind is dropped there (after decoding, so that layers
+// account for what it carried). A running handler polls them through
+// currentRequestCancelled(). A response is not sent once either holds; the
+// caller would ignore it anyway (its pending entry is gone, so its future
+// completes once). While no cancel is pending, all this costs a request an
+// atomic load per check and, if it has a timeout, three clock reads: no
+// lock, no allocation.
 class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
  public:
   AgentImpl(
@@ -99,13 +146,24 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       uint32_t kind,
       std::string name,
       RequestHandler h,
-      RequestLabel label) {
+      RequestLabel label,
+      Cancellation cancellation) {
     TORCH_CHECK(!listening_, "handlers must be registered before start()");
     TORCH_CHECK(h, "handler for message kind ", kind, " is empty");
-    bool inserted =
-        handlers_
-            .emplace(kind, HandlerEntry{std::move(name), std::move(h), label})
-            .second;
+    TORCH_CHECK(
+        kind != kCancelMessageKind,
+        "message kind ",
+        kind,
+        " is the agent's own (cancel)");
+    bool inserted = handlers_
+                        .emplace(
+                            kind,
+                            HandlerEntry{
+                                std::move(name),
+                                std::move(h),
+                                label,
+                                cancellation})
+                        .second;
     TORCH_CHECK(inserted, "message kind ", kind, " is already registered");
   }
 
@@ -240,6 +298,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     call.completeOnTransportThread = request.awaitedSynchronously;
     if (request.timeout.count() > 0) {
       call.deadline = Clock::now() + request.timeout;
+      call.timeout = request.timeout;
     }
     bool armTimer = false;
     {
@@ -347,10 +406,18 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       onResponse(conn, *envelope, std::move(message.tensors));
       return;
     }
+    Clock::time_point deadline = Clock::time_point::max();
+    if (!envelope->is_response()) {
+      deadline = deadlineHere(envelope->timeout_ms());
+      if (envelope->kind() == kCancelMessageKind) {
+        onCancel(conn, envelope->id(), deadline);
+        return;
+      }
+    }
     auto tensors =
         std::make_shared<std::vector<at::Tensor>>(std::move(message.tensors));
     std::weak_ptr<AgentImpl> weak = shared_from_this();
-    pool_.run([weak, conn, envelope, tensors]() {
+    pool_.run([weak, conn, envelope, tensors, deadline]() {
       auto self = weak.lock();
       if (!self) {
         return;
@@ -358,7 +425,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       if (envelope->is_response()) {
         self->onResponse(conn, *envelope, std::move(*tensors));
       } else {
-        self->onRequest(conn, *envelope, std::move(*tensors));
+        self->onRequest(conn, *envelope, std::move(*tensors), deadline);
       }
     });
   }
@@ -384,10 +451,24 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     conn->connection->close();
   }
 
+  // On the transport thread; see Note [Cancelled requests].
+  void onCancel(
+      const std::shared_ptr<AgentConnection>& conn,
+      uint64_t id,
+      Clock::time_point forgetAt) {
+    if (conn->outgoing || forgetAt == Clock::time_point::max()) {
+      // Only callers cancel, and only calls that had a timeout; an entry
+      // without an end would never be forgotten. Harmless to ignore.
+      return;
+    }
+    conn->cancelled.add(id, forgetAt);
+  }
+
   void onRequest(
       const std::shared_ptr<AgentConnection>& conn,
       const wire::Envelope& envelope,
-      std::vector<at::Tensor>&& tensors) {
+      std::vector<at::Tensor>&& tensors,
+      Clock::time_point deadline) {
     if (conn->outgoing) {
       // Our outgoing connections carry responses only.
       malformedMessages_.fetch_add(1);
@@ -439,7 +520,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
           describeException(std::current_exception()));
       return;
     }
-    serve(conn, handler->second, std::move(decoded), std::move(what));
+    serve(conn, handler->second, std::move(decoded), std::move(what), deadline);
   }
 
   void onResponse(
@@ -585,6 +666,8 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
 
   AgentCounters counters() const {
     AgentCounters out;
+    out.requestsCancelled = requestsCancelled_.load();
+    out.responsesDropped = responsesDropped_.load();
     std::lock_guard<std::mutex> guard(mutex_);
     out.pendingCalls = pending_.size();
     out.connections = connections_.size();
@@ -607,6 +690,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     std::string name;
     RequestHandler handler;
     RequestLabel label;
+    Cancellation cancellation;
   };
   using HandlerMap = std::unordered_map<uint32_t, HandlerEntry>;
 
@@ -622,19 +706,27 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
   }
 
   // Runs the handler inside the request's scope and replies once the
-  // handler's future completes.
+  // handler's future completes; drops the request instead if its kind
+  // allows and its caller gave up (Note [Cancelled requests]).
   void serve(
       const std::shared_ptr<AgentConnection>& conn,
       const HandlerEntry& handler,
       detail::DecodedRequest&& decoded,
-      std::string what) {
+      std::string what,
+      Clock::time_point deadline) {
     uint64_t id = decoded.request.id;
     uint32_t kind = decoded.request.kind;
     int64_t fromId = decoded.request.from.id;
+    if (handler.cancellation == Cancellation::kDropIfQueued &&
+        (hasPassed(deadline) || conn->cancelled.take(id))) {
+      requestsCancelled_.fetch_add(1);
+      return;
+    }
     std::shared_ptr<const RequestScope> scope = std::move(decoded.scope);
     c10::intrusive_ptr<c10::ivalue::Future> result;
     try {
       RequestScopeGuard inScope(scope);
+      detail::ServedRequestGuard served({&conn->cancelled, id, deadline});
       result = handler.handler(std::move(decoded.request));
     } catch (...) {
       result = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
@@ -643,11 +735,19 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     ++requestsServed_;
     std::weak_ptr<AgentImpl> weak = shared_from_this();
     result->addCallback(
-        [weak, conn, id, kind, fromId, what = std::move(what), scope](
+        [weak, conn, id, kind, fromId, what = std::move(what), scope, deadline](
             c10::ivalue::Future& done) {
-          if (auto self = weak.lock()) {
-            self->reply(conn, id, kind, fromId, what, done, scope.get());
+          auto self = weak.lock();
+          if (!self) {
+            return;
           }
+          // Taking the id out also forgets a cancel that came while the
+          // handler ran.
+          if (conn->cancelled.take(id) || hasPassed(deadline)) {
+            self->responsesDropped_.fetch_add(1);
+            return;
+          }
+          self->reply(conn, id, kind, fromId, what, done, scope.get());
         });
   }
 
@@ -850,6 +950,9 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     }
     Completing completing(*this, expired.size());
     for (size_t i = 0; i < expired.size(); ++i) {
+      sendCancel(expired[i], expiredIds[i]);
+    }
+    for (size_t i = 0; i < expired.size(); ++i) {
       auto& call = expired[i];
       LOG(WARNING) << self_.name << " -> " << call.peerName << " call #"
                    << expiredIds[i] << " (" << call.what << ") timed out";
@@ -861,6 +964,22 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
           "no reply before the deadline"));
     }
     armTimerFromLoop();
+  }
+
+  // Tells the callee that nobody waits for call `id` any more (Note
+  // [Cancelled requests]). Best effort: if it is lost, the deadline the
+  // request carries still holds.
+  void sendCancel(const PendingCall& call, uint64_t id) {
+    Message message;
+    try {
+      message = codec_.encodeCancel(id, call.timeout);
+    } catch (const std::exception& e) {
+      LOG(WARNING) << self_.name << ": cannot encode the cancel of call #" << id
+                   << ": " << e.what();
+      return;
+    }
+    call.via->connection->send(std::move(message), [](const TransportError*) {
+    });
   }
 
   // ---- state -------------------------------------------------------------
@@ -899,6 +1018,8 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
   std::condition_variable idleCv_;
   uint64_t requestsSent_ = 0;
   std::atomic<uint64_t> requestsServed_{0};
+  std::atomic<uint64_t> requestsCancelled_{0};
+  std::atomic<uint64_t> responsesDropped_{0};
   std::atomic<uint64_t> malformedMessages_{0};
 
   std::atomic<uint64_t> nextMessageId_{1};
@@ -938,8 +1059,14 @@ void Agent::registerHandler(
     uint32_t kind,
     std::string name,
     RequestHandler handler,
-    RequestLabel label) {
-  impl_->registerHandler(kind, std::move(name), std::move(handler), label);
+    RequestLabel label,
+    Cancellation cancellation) {
+  impl_->registerHandler(
+      kind,
+      std::move(name),
+      std::move(handler),
+      label,
+      cancellation);
 }
 
 void Agent::addHook(MessageHook hook) {

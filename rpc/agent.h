@@ -32,6 +32,11 @@ struct AgentCounters {
   size_t connections = 0;
   uint64_t requestsSent = 0;
   uint64_t requestsServed = 0;
+  // Requests dropped without running because their caller gave up on them
+  // while they waited (Cancellation::kDropIfQueued); not in requestsServed.
+  uint64_t requestsCancelled = 0;
+  // Responses not sent because their caller had given up by then.
+  uint64_t responsesDropped = 0;
   uint64_t malformedMessages = 0;
 };
 
@@ -60,13 +65,15 @@ class Agent {
   const WorkerInfo& self() const;
 
   // Registration; only before start(). Throws c10::Error for a duplicate
-  // kind, hook name or extension kind. `label` says how errors name a
-  // request of this kind.
+  // kind (or kCancelMessageKind, which the agent handles), hook name or
+  // extension kind. `label` says how errors name a request of this kind;
+  // `cancellation` what happens to one whose caller gave up on it.
   void registerHandler(
       uint32_t kind,
       std::string name,
       RequestHandler handler,
-      RequestLabel label = RequestLabel::kHandlerName);
+      RequestLabel label = RequestLabel::kHandlerName,
+      Cancellation cancellation = Cancellation::kRunAnyway);
   void addHook(MessageHook hook);
   void addValueExtension(ValueExtension extension);
 
@@ -90,6 +97,14 @@ class Agent {
   // a value that cannot be sent, kTooLarge, kShuttingDown, or whatever the
   // remote handler failed with). The future's value is the response value.
   // An error whose messageId() is 0 means the request never left.
+  //
+  // When the timeout fires, the agent also tells the callee that it gave up
+  // (kCancelMessageKind), and the request carries its timeout, which the
+  // callee counts from the request's arrival: a callee that serves the kind
+  // with Cancellation::kDropIfQueued never starts the call if either reaches
+  // it first, a running handler sees currentRequestCancelled(), and a
+  // response after that is not sent (a late one would be ignored: the
+  // future completes once).
   c10::intrusive_ptr<c10::ivalue::Future> send(
       const WorkerRef& to,
       OutgoingRequest request);

@@ -15,7 +15,9 @@ namespace rpc {
 enum class ErrorCode : uint32_t {
   kOk = 0,
   // The call did not complete before its deadline. The remote side may still
-  // have run it. Retry only idempotent calls.
+  // have run it (or be running it: a handler sees currentRequestCancelled());
+  // a call it had not started yet is dropped there. Retry only idempotent
+  // calls.
   kTimeout = 1,
   // The callee has no function or operator of that name. Do not retry.
   kUnknownFunction = 2,

@@ -21,6 +21,12 @@ namespace rpc {
 // Message kinds. Each layer declares its own and registers a handler for
 // each at start-up; rpc/ owns [1, 15], later layers take ranges above.
 constexpr uint32_t kCallMessageKind = 1;
+// Caller -> callee: "I gave up on request <id>" (the envelope's id is the
+// request's, its timeout_ms the call's timeout). Sent by the agent when a
+// call times out and handled by the agent itself on the transport thread, so
+// that it overtakes requests queued behind busy handlers; no handler may be
+// registered for it. See Cancellation.
+constexpr uint32_t kCancelMessageKind = 2;
 
 // An incoming request, as a handler sees it.
 struct Request {
@@ -48,6 +54,22 @@ enum class RequestLabel {
   // The request's body, for kinds whose body names the operation (a call's
   // body is its function name).
   kBody,
+};
+
+// What the callee does with a request of a kind whose caller gave up on it
+// (its call timed out: the caller sent a cancel message, or the request's
+// deadline passed). Chosen by the layer that owns the kind, at registration.
+// Either way a running handler can see it (currentRequestCancelled() in
+// rpc/request_cancellation.h) and no response is sent once it is cancelled.
+enum class Cancellation {
+  // The handler runs even if cancelled first: for protocol messages whose
+  // effect must happen once sent (a release, a deletion), whoever waits.
+  kRunAnyway,
+  // A request still queued when cancelled is dropped: its arguments are
+  // decoded (receive hooks and value extensions run, so references it
+  // carries are accounted for) but the handler never runs. For calls whose
+  // only purpose is their answer.
+  kDropIfQueued,
 };
 
 // A request to send.

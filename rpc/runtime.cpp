@@ -133,7 +133,10 @@ void Runtime::registerCallHandler() {
           functions_,
           self_.name,
           options_.allowBuiltinOperators),
-      RequestLabel::kBody);
+      RequestLabel::kBody,
+      // A call exists for its answer: once its caller gave up, running it
+      // only keeps a thread from calls someone waits for.
+      Cancellation::kDropIfQueued);
 }
 
 void Runtime::addLayer(std::shared_ptr<RuntimeLayer> layer) {

@@ -132,6 +132,17 @@ Message MessageCodec::encodeResponse(
   }
 }
 
+Message MessageCodec::encodeCancel(
+    uint64_t id,
+    std::chrono::milliseconds timeout) const {
+  wire::Envelope envelope;
+  startEnvelope(envelope, id, kCancelMessageKind, /*isResponse=*/false);
+  envelope.set_timeout_ms(timeout.count());
+  Message message;
+  message.header = envelope.SerializeAsString();
+  return message;
+}
+
 Message MessageCodec::encodeError(
     uint64_t id,
     uint32_t kind,

@@ -7,6 +7,7 @@
 
 #include <ATen/core/ivalue.h>
 
+#include <chrono>
 #include <cstdint>
 #include <exception>
 #include <memory>
@@ -125,6 +126,10 @@ class MessageCodec {
       const std::string& what,
       const DeviceMap* deviceMap,
       const RequestScope* request) const;
+
+  // Caller -> callee: the caller gave up on its request `id`, which had
+  // `timeout` (kCancelMessageKind; Note [Cancelled requests] in agent.cpp).
+  Message encodeCancel(uint64_t id, std::chrono::milliseconds timeout) const;
 
   // A response carrying only an error status.
   Message encodeError(

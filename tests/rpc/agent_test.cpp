@@ -1,13 +1,18 @@
-// The agent's extension points (message kinds, hooks, value extensions) and
-// its defences against bad input, over the in-process transport.
+// The agent's extension points (message kinds, hooks, value extensions),
+// its defences against bad input and its cancel message, over the
+// in-process transport.
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <future>
+#include <thread>
 
 #include "proto/rpc/envelope.pb.h"
 #include "tests/support/local_cluster.h"
+#include "torchrpc/rpc/request_cancellation.h"
 #include "torchrpc/rpc/request_scope.h"
 #include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
 
@@ -156,6 +161,99 @@ TEST(AgentInput, UnknownSenderAndUnknownKindAreAnsweredNotRun) {
       reply.status().code(),
       static_cast<uint32_t>(ErrorCode::kUnknownFunction));
   EXPECT_EQ(cluster[1].agent().counters().requestsServed, 0u);
+  EXPECT_TRUE(cluster.shutdownAll());
+}
+
+// ---- cancellation ---------------------------------------------------------
+
+rpc::wire::Envelope cancelEnvelope(uint64_t id, uint64_t timeoutMs) {
+  rpc::wire::Envelope envelope;
+  envelope.set_version(1);
+  envelope.set_id(id);
+  envelope.set_kind(rpc::kCancelMessageKind);
+  envelope.set_from_worker(0);
+  envelope.set_timeout_ms(timeoutMs);
+  return envelope;
+}
+
+// As after a stall: the requests carry a timeout that, counted from their
+// arrival, is far off, so only the cancels that follow them can stop them.
+// The cancels must overtake the queued call although the one thread is busy.
+TEST(AgentCancellation, CancelsOvertakeQueuedCallsAndSilenceARunningOne) {
+  std::atomic<int> started{0};
+  std::atomic<int> sawCancel{0};
+  LocalCluster cluster(
+      rpc::TransportKind::kInProcess,
+      2,
+      [](int, rpc::Options& o) { o.numWorkerThreads = 1; },
+      [&started, &sawCancel](int rank, rpc::Runtime& rt) {
+        registerAdd(rank, rt);
+        rt.functions().add("watch", [&started, &sawCancel]() {
+          ++started;
+          auto end = std::chrono::steady_clock::now() + 10s;
+          while (std::chrono::steady_clock::now() < end) {
+            if (rpc::currentRequestCancelled()) {
+              ++sawCancel;
+              return true;
+            }
+            std::this_thread::sleep_for(1ms);
+          }
+          return false;
+        });
+      });
+  RawPeer peer(cluster, 1);
+  auto running = callEnvelope(1, 0, "watch");
+  running.set_timeout_ms(60000);
+  peer.send(running.SerializeAsString());
+  auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (started == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(1ms);
+  }
+  ASSERT_EQ(started.load(), 1);
+  auto queued = callEnvelope(2, 0, "watch");
+  queued.set_timeout_ms(60000);
+  peer.send(queued.SerializeAsString());
+  // The queued call's cancel first: by the time the running handler sees
+  // its own, the other one is recorded too.
+  peer.send(cancelEnvelope(2, 60000).SerializeAsString());
+  peer.send(cancelEnvelope(1, 60000).SerializeAsString());
+
+  // Neither answers: the next reply is the next call's.
+  auto call = callEnvelope(3, 0, "add");
+  call.set_timeout_ms(60000);
+  call.add_values()->set_int_value(1);
+  call.add_values()->set_int_value(2);
+  peer.send(call.SerializeAsString());
+  auto reply = peer.nextReply();
+  EXPECT_EQ(reply.id(), 3u);
+  ASSERT_EQ(reply.values_size(), 1);
+  EXPECT_EQ(reply.values(0).int_value(), 3);
+
+  EXPECT_EQ(started.load(), 1) << "the queued call ran";
+  EXPECT_EQ(sawCancel.load(), 1);
+  auto counters = cluster[1].agent().counters();
+  EXPECT_EQ(counters.requestsCancelled, 1u);
+  EXPECT_EQ(counters.responsesDropped, 1u);
+  EXPECT_EQ(counters.malformedMessages, 0u);
+  EXPECT_TRUE(cluster.shutdownAll());
+}
+
+TEST(AgentCancellation, NoLayerMayRegisterTheCancelKind) {
+  LocalCluster cluster(
+      rpc::TransportKind::kInProcess,
+      1,
+      nullptr,
+      [](int, rpc::Runtime& rt) {
+        EXPECT_THROW(
+            rt.agent().registerHandler(
+                rpc::kCancelMessageKind,
+                "mine",
+                [](rpc::Request&&) {
+                  return c10::make_intrusive<c10::ivalue::Future>(
+                      c10::AnyType::get());
+                }),
+            c10::Error);
+      });
   EXPECT_TRUE(cluster.shutdownAll());
 }
 
