@@ -16,7 +16,9 @@ namespace {
 
 using namespace std::chrono_literals;
 using rpc::ErrorCode;
+using testing::expectNoBacktrace;
 using testing::expectRpcError;
+using testing::expectRpcErrorFrom;
 using testing::LocalCluster;
 
 at::Tensor scale(at::Tensor x, double factor) {
@@ -30,6 +32,10 @@ void registerCommon(int /*rank*/, rpc::Runtime& rt) {
   rt.functions().add("name", [&rt]() { return rt.self().name; });
   rt.functions().add("fail", [](std::string why) -> int64_t {
     throw std::runtime_error("failing on purpose: " + why);
+  });
+  rt.functions().add("check", [](int64_t value) -> int64_t {
+    TORCH_CHECK(value > 0, "check failed on purpose: ", value, " <= 0");
+    return value;
   });
   rt.functions().add("sleep_ms", [](int64_t ms) {
     std::this_thread::sleep_for(std::chrono::milliseconds(ms));
@@ -243,6 +249,26 @@ TEST_P(RuntimeTest, RemoteExceptionCarriesItsTextWorkerAndFunction) {
       ErrorCode::kRemoteException,
       {"worker1", "fail", "failing on purpose: because"});
   EXPECT_TRUE(future.hasError());
+  EXPECT_TRUE(c->shutdownAll());
+}
+
+TEST_P(RuntimeTest, RemoteC10ErrorCarriesItsMessageWithoutABacktrace) {
+  auto c = cluster(2);
+  auto future = (*c)[0].rpcAsync<int64_t>("worker1", "check", -3);
+  std::string text;
+  expectRpcErrorFrom(
+      [&]() {
+        try {
+          future.wait();
+        } catch (const std::exception& e) {
+          text = e.what();
+          throw;
+        }
+      },
+      ErrorCode::kRemoteException,
+      "worker1",
+      {"worker1", "check", "check failed on purpose: -3 <= 0"});
+  expectNoBacktrace(text);
   EXPECT_TRUE(c->shutdownAll());
 }
 
