@@ -40,6 +40,18 @@ std::unique_ptr<Transport> makeTransport(
     kind = options.inProcessNetwork ? TransportKind::kInProcess
                                     : TransportKind::kTcp;
   }
+  // Only kTcp authenticates peers. Accepting a secret elsewhere would let a
+  // worker that does not know it join the job while the user believes it
+  // cannot, so those transports refuse to start with one.
+  if (kind != TransportKind::kTcp) {
+    TORCH_CHECK(
+        options.sharedSecret.empty(),
+        "Options::sharedSecret (TORCHRPC_SHARED_SECRET) is set, but the ",
+        kind == TransportKind::kInProcess ? "in-process" : "TensorPipe",
+        " transport cannot authenticate peers with it; use the TCP transport "
+        "(TransportKind::kTcp, TORCHRPC_TRANSPORT=tcp) or leave the secret "
+        "empty");
+  }
   if (kind == TransportKind::kInProcess) {
     TORCH_CHECK(
         options.inProcessNetwork,

@@ -563,6 +563,45 @@ TEST(RuntimeSetup, NegativeIoPollingIsRefused) {
   }
 }
 
+// Transports that cannot authenticate peers must not accept a secret they
+// would silently ignore.
+void expectSecretRefused(rpc::Options options, const std::string& transport) {
+  options.sharedSecret = "job secret";
+  try {
+    rpc::Runtime("w", options);
+    ADD_FAILURE() << "the " << transport << " transport accepted a secret";
+  } catch (const c10::Error& e) {
+    std::string text = e.what_without_backtrace();
+    EXPECT_NE(text.find("Options::sharedSecret"), std::string::npos) << text;
+    EXPECT_NE(text.find("TORCHRPC_SHARED_SECRET"), std::string::npos) << text;
+    EXPECT_NE(text.find("the " + transport + " transport"), std::string::npos)
+        << text;
+  }
+}
+
+TEST(RuntimeSetup, SharedSecretIsRefusedByTheInProcessTransport) {
+  rpc::Options options;
+  options.inProcessNetwork = std::make_shared<rpc::InProcessNetwork>();
+  // kAuto picks the in-process transport when given a network.
+  expectSecretRefused(options, "in-process");
+  options.transport = rpc::TransportKind::kInProcess;
+  expectSecretRefused(options, "in-process");
+}
+
+TEST(RuntimeSetup, SharedSecretIsRefusedByTheTensorPipeTransport) {
+  rpc::Options options;
+  options.transport = rpc::TransportKind::kTensorPipe;
+  expectSecretRefused(options, "TensorPipe");
+}
+
+TEST(RuntimeSetup, SharedSecretIsAcceptedByTheTcpTransport) {
+  rpc::Options options;
+  options.transport = rpc::TransportKind::kTcp;
+  options.sharedSecret = "job secret";
+  rpc::Runtime runtime("w", options);
+  EXPECT_EQ(runtime.self().name, "w");
+}
+
 TEST(RuntimeSetup, IoPollingComesFromTheEnvironment) {
   setenv("TORCHRPC_IO_POLL_US", "5000", 1);
   setenv("TORCHRPC_IO_POLL_AWAIT_US", "0", 1);
