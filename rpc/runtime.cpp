@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "torchrpc/rpc/detail/call_handler.h"
+#include "torchrpc/rpc/detail/logging.h"
 #include "torchrpc/rpc/detail/rendezvous.h"
 #include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
 #include "torchrpc/rpc/transport/tcp/tcp_transport.h"
@@ -118,6 +119,7 @@ void validateOptions(const Options& options) {
 Runtime::Runtime(std::string name, Options options)
     : self_{std::move(name), options.rank},
       options_(std::move(options)) {
+  detail::initLoggingOnce();
   detail::validateWorkerName(self_.name);
   validateOptions(options_);
   agent_ = std::make_unique<Agent>(
