@@ -18,6 +18,7 @@
 #include "proto/rpc/envelope.pb.h"
 #include "torchrpc/rpc/detail/cancelled_requests.h"
 #include "torchrpc/rpc/detail/spinning_thread_pool.h"
+#include "torchrpc/rpc/errors.h"
 #include "torchrpc/rpc/request_cancellation.h"
 #include "torchrpc/rpc/request_scope.h"
 #include "torchrpc/rpc/wire/envelope.h"
@@ -285,7 +286,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
           peer->name,
           request.what,
           0,
-          e.what()));
+          describeException(e)));
       return future;
     }
 

@@ -81,13 +81,18 @@ std::exception_ptr makeRpcError(
 std::string describeException(const std::exception_ptr& error) {
   try {
     std::rethrow_exception(error);
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
   } catch (const std::exception& e) {
-    return e.what();
+    return describeException(e);
   } catch (...) {
     return "unknown exception";
   }
+}
+
+std::string describeException(const std::exception& error) {
+  if (const auto* c10Error = dynamic_cast<const c10::Error*>(&error)) {
+    return c10Error->what_without_backtrace();
+  }
+  return error.what();
 }
 
 } // namespace rpc

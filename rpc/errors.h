@@ -86,8 +86,11 @@ std::exception_ptr makeRpcError(
     uint64_t messageId,
     const std::string& detail);
 
-// Text of any exception, without libtorch's C++ backtrace.
+// Text of any exception, without libtorch's C++ backtrace: c10::Error::what()
+// appends kilobytes of stack frames that mean nothing to another worker, so
+// every exception that becomes an error message goes through one of these.
 std::string describeException(const std::exception_ptr& error);
+std::string describeException(const std::exception& error);
 
 } // namespace rpc
 } // namespace torchrpc

@@ -108,7 +108,9 @@ struct Options {
 
   // kTcp only. When set, every peer must prove it knows this secret
   // (challenge-response, HMAC-SHA256; the secret never travels) before any
-  // of its messages is read.
+  // of its messages is read. The TensorPipe and in-process transports cannot
+  // check it: a Runtime for either refuses to start with a secret (c10::Error
+  // naming this option and the transport) rather than ignore it.
   std::string sharedSecret;
   // kTcp only. Idle connections carry a heartbeat this often; a peer from
   // which nothing arrived for peerTimeout is declared dead and the calls

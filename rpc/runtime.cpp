@@ -8,6 +8,7 @@
 #include <algorithm>
 
 #include "torchrpc/rpc/detail/call_handler.h"
+#include "torchrpc/rpc/detail/logging.h"
 #include "torchrpc/rpc/detail/rendezvous.h"
 #include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
 #include "torchrpc/rpc/transport/tcp/tcp_transport.h"
@@ -41,6 +42,18 @@ std::unique_ptr<Transport> makeTransport(
   if (kind == TransportKind::kAuto) {
     kind = options.inProcessNetwork ? TransportKind::kInProcess
                                     : TransportKind::kTcp;
+  }
+  // Only kTcp authenticates peers. Accepting a secret elsewhere would let a
+  // worker that does not know it join the job while the user believes it
+  // cannot, so those transports refuse to start with one.
+  if (kind != TransportKind::kTcp) {
+    TORCH_CHECK(
+        options.sharedSecret.empty(),
+        "Options::sharedSecret (TORCHRPC_SHARED_SECRET) is set, but the ",
+        kind == TransportKind::kInProcess ? "in-process" : "TensorPipe",
+        " transport cannot authenticate peers with it; use the TCP transport "
+        "(TransportKind::kTcp, TORCHRPC_TRANSPORT=tcp) or leave the secret "
+        "empty");
   }
   if (kind == TransportKind::kInProcess) {
     TORCH_CHECK(
@@ -108,6 +121,7 @@ void validateOptions(const Options& options) {
 Runtime::Runtime(std::string name, Options options)
     : self_{std::move(name), options.rank},
       options_(std::move(options)) {
+  detail::initLoggingOnce();
   detail::validateWorkerName(self_.name);
   validateOptions(options_);
   agent_ = std::make_unique<Agent>(

@@ -90,6 +90,10 @@ class Caller {
 // Lifecycle: construct, register functions, start() (meets every worker),
 // make calls, shutdown(). Destroying a running runtime shuts it down
 // immediately.
+//
+// The first Runtime of a process initialises libtorch's logging (glog, if
+// libtorch uses it) unless the application did; an application that
+// configures glog itself calls InitGoogleLogging() before constructing one.
 class Runtime {
  public:
   Runtime(std::string name, Options options);

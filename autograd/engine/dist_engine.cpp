@@ -12,6 +12,7 @@
 #include "proto/autograd/autograd.pb.h"
 #include "torchrpc/autograd/detail/wire.h"
 #include "torchrpc/autograd/messages.h"
+#include "torchrpc/rpc/errors.h"
 #include "torchrpc/rpc/future.h"
 #include "torchrpc/rref/rref.h"
 
@@ -783,7 +784,7 @@ FuturePtr DistEngine::onAwait(rpc::Request&& request) {
     try {
       further = pass->arm(sends);
     } catch (const std::exception& e) {
-      refuse(e.what());
+      refuse(rpc::describeException(e));
     }
     if (!further.empty()) {
       refuse(

@@ -394,7 +394,7 @@ void LocalBackward::drain() {
           workerName_,
           "autograd.backward",
           0,
-          task.node->name() + " raised: " + e.what());
+          task.node->name() + " raised: " + rpc::describeException(e));
     }
     lock.lock();
     if (error) {
@@ -415,7 +415,7 @@ void LocalBackward::drain() {
           "autograd.backward",
           0,
           std::string("routing the gradients of ") + task.node->name() +
-              " failed: " + e.what());
+              " failed: " + rpc::describeException(e));
       break;
     }
   }
@@ -506,7 +506,8 @@ void LocalBackward::maybeCompleteLocked(std::unique_lock<std::mutex>& lock) {
         workerName_,
         "autograd.backward",
         0,
-        std::string("a leaf's gradient hook raised: ") + e.what()));
+        std::string("a leaf's gradient hook raised: ") +
+            rpc::describeException(e)));
     return;
   }
   done_->markCompleted(c10::IValue());

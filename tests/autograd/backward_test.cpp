@@ -615,6 +615,33 @@ TEST_P(DistributedBackward, ANodeThatThrowsFailsThePassWithTheRemoteCause) {
   cluster_->expectNothingLeft();
 }
 
+TEST_P(DistributedBackward, ARemoteC10ErrorArrivesWithoutItsBacktrace) {
+  {
+    autograd::Context context(rt(0));
+    auto x = zoo::input() * net(0).param("w");
+    auto y = net(0).run(1, "check_fail", {x}).at(0);
+    std::string text;
+    expectRpcErrorFrom(
+        [&]() {
+          try {
+            context.backward({y.sum()});
+          } catch (const std::exception& e) {
+            text = e.what();
+            throw;
+          }
+        },
+        rpc::ErrorCode::kRemoteException,
+        "worker1",
+        {"worker1",
+         "autograd.backward",
+         "CheckFailingBackward",
+         "backward check failed, on purpose"});
+    expectNoBacktrace(text);
+    EXPECT_TRUE(cluster_->waitForNoContexts(std::chrono::seconds(5)));
+  }
+  cluster_->expectNothingLeft();
+}
+
 TEST_P(DistributedBackward, DeadlineNamesTheSendThatNeverGotItsGradient) {
   {
     autograd::Context context(rt(0));

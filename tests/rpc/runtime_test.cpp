@@ -16,7 +16,9 @@ namespace {
 
 using namespace std::chrono_literals;
 using rpc::ErrorCode;
+using testing::expectNoBacktrace;
 using testing::expectRpcError;
+using testing::expectRpcErrorFrom;
 using testing::LocalCluster;
 
 at::Tensor scale(at::Tensor x, double factor) {
@@ -30,6 +32,10 @@ void registerCommon(int /*rank*/, rpc::Runtime& rt) {
   rt.functions().add("name", [&rt]() { return rt.self().name; });
   rt.functions().add("fail", [](std::string why) -> int64_t {
     throw std::runtime_error("failing on purpose: " + why);
+  });
+  rt.functions().add("check", [](int64_t value) -> int64_t {
+    TORCH_CHECK(value > 0, "check failed on purpose: ", value, " <= 0");
+    return value;
   });
   rt.functions().add("sleep_ms", [](int64_t ms) {
     std::this_thread::sleep_for(std::chrono::milliseconds(ms));
@@ -243,6 +249,26 @@ TEST_P(RuntimeTest, RemoteExceptionCarriesItsTextWorkerAndFunction) {
       ErrorCode::kRemoteException,
       {"worker1", "fail", "failing on purpose: because"});
   EXPECT_TRUE(future.hasError());
+  EXPECT_TRUE(c->shutdownAll());
+}
+
+TEST_P(RuntimeTest, RemoteC10ErrorCarriesItsMessageWithoutABacktrace) {
+  auto c = cluster(2);
+  auto future = (*c)[0].rpcAsync<int64_t>("worker1", "check", -3);
+  std::string text;
+  expectRpcErrorFrom(
+      [&]() {
+        try {
+          future.wait();
+        } catch (const std::exception& e) {
+          text = e.what();
+          throw;
+        }
+      },
+      ErrorCode::kRemoteException,
+      "worker1",
+      {"worker1", "check", "check failed on purpose: -3 <= 0"});
+  expectNoBacktrace(text);
   EXPECT_TRUE(c->shutdownAll());
 }
 
@@ -535,6 +561,45 @@ TEST(RuntimeSetup, NegativeIoPollingIsRefused) {
         std::string::npos)
         << e.what();
   }
+}
+
+// Transports that cannot authenticate peers must not accept a secret they
+// would silently ignore.
+void expectSecretRefused(rpc::Options options, const std::string& transport) {
+  options.sharedSecret = "job secret";
+  try {
+    rpc::Runtime("w", options);
+    ADD_FAILURE() << "the " << transport << " transport accepted a secret";
+  } catch (const c10::Error& e) {
+    std::string text = e.what_without_backtrace();
+    EXPECT_NE(text.find("Options::sharedSecret"), std::string::npos) << text;
+    EXPECT_NE(text.find("TORCHRPC_SHARED_SECRET"), std::string::npos) << text;
+    EXPECT_NE(text.find("the " + transport + " transport"), std::string::npos)
+        << text;
+  }
+}
+
+TEST(RuntimeSetup, SharedSecretIsRefusedByTheInProcessTransport) {
+  rpc::Options options;
+  options.inProcessNetwork = std::make_shared<rpc::InProcessNetwork>();
+  // kAuto picks the in-process transport when given a network.
+  expectSecretRefused(options, "in-process");
+  options.transport = rpc::TransportKind::kInProcess;
+  expectSecretRefused(options, "in-process");
+}
+
+TEST(RuntimeSetup, SharedSecretIsRefusedByTheTensorPipeTransport) {
+  rpc::Options options;
+  options.transport = rpc::TransportKind::kTensorPipe;
+  expectSecretRefused(options, "TensorPipe");
+}
+
+TEST(RuntimeSetup, SharedSecretIsAcceptedByTheTcpTransport) {
+  rpc::Options options;
+  options.transport = rpc::TransportKind::kTcp;
+  options.sharedSecret = "job secret";
+  rpc::Runtime runtime("w", options);
+  EXPECT_EQ(runtime.self().name, "w");
 }
 
 TEST(RuntimeSetup, IoPollingComesFromTheEnvironment) {

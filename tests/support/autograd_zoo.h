@@ -86,6 +86,21 @@ struct ExplodingBackward : torch::autograd::Function<ExplodingBackward> {
   }
 };
 
+// Fails the way libtorch's own checks do: a c10::Error, whose what() carries
+// a C++ backtrace.
+struct CheckFailingBackward : torch::autograd::Function<CheckFailingBackward> {
+  static at::Tensor forward(
+      torch::autograd::AutogradContext*,
+      const at::Tensor& x) {
+    return x * 1;
+  }
+  static torch::autograd::variable_list backward(
+      torch::autograd::AutogradContext*,
+      torch::autograd::variable_list) {
+    TORCH_CHECK(false, "backward check failed, on purpose");
+  }
+};
+
 struct SlowBackward : torch::autograd::Function<SlowBackward> {
   static at::Tensor forward(
       torch::autograd::AutogradContext* ctx,
@@ -213,6 +228,11 @@ inline const std::map<std::string, Op>& ops() {
        [](Net& here, std::vector<at::Tensor> in, std::vector<int64_t>) {
          return std::vector<at::Tensor>{
              ExplodingBackward::apply(in.at(0) * here.param("w"))};
+       }},
+      {"check_fail",
+       [](Net& here, std::vector<at::Tensor> in, std::vector<int64_t>) {
+         return std::vector<at::Tensor>{
+             CheckFailingBackward::apply(in.at(0) * here.param("w"))};
        }},
       {"slow",
        [](Net& here, std::vector<at::Tensor> in, std::vector<int64_t> path) {

@@ -136,6 +136,15 @@ void expectRpcErrorFrom(
   }
 }
 
+// Expects an error text that came from another worker to be the cause's
+// message only: c10::Error::what() appends a C++ backtrace (kilobytes of
+// frames) that must not cross the wire, so the text stays under `maxBytes`.
+inline void expectNoBacktrace(const std::string& text, size_t maxBytes = 512) {
+  EXPECT_EQ(text.find("Exception raised from"), std::string::npos) << text;
+  EXPECT_EQ(text.find("frame #"), std::string::npos) << text;
+  EXPECT_LT(text.size(), maxBytes) << text;
+}
+
 // The same, whichever worker the error names.
 template <typename F>
 void expectRpcError(

@@ -13,6 +13,8 @@
 #include <cstring>
 #include <utility>
 
+#include "torchrpc/rpc/errors.h"
+
 namespace torchrpc {
 namespace rpc {
 namespace detail {
@@ -263,7 +265,7 @@ void TcpConnectionImpl::readPayloadFromLoop() {
     fail(TransportError{
         ErrorCode::kWorkerUnavailable,
         "connection to " + describe() +
-            ": cannot allocate a message: " + e.what()});
+            ": cannot allocate a message: " + describeException(e)});
     return;
   }
   std::vector<asio::mutable_buffer> buffers;

@@ -18,6 +18,7 @@
 #include <thread>
 #include <utility>
 
+#include "torchrpc/rpc/errors.h"
 #include "torchrpc/rpc/transport/receive_buffer_pool.h"
 
 namespace torchrpc {
@@ -634,7 +635,7 @@ class TensorPipeTransportImpl
       // E.g. an address that does not parse.
       connection->failWithoutPipe(TransportError{
           ErrorCode::kWorkerUnavailable,
-          "cannot connect to " + address + ": " + e.what()});
+          "cannot connect to " + address + ": " + describeException(e)});
     }
     return connection;
   }

@@ -1,0 +1,164 @@
+// What a worker's stderr shows: libtorch's logging is initialised for the
+// user, so glog's "Logging before InitGoogleLogging()" banner never appears.
+// Logging state is per process and set once, so each case runs in a fresh
+// process: this binary again, running one disabled test.
+
+#include <c10/util/Logging.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "torchrpc/rpc/runtime.h"
+#include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
+
+extern char** environ;
+
+namespace torchrpc {
+namespace {
+
+const char* const kBanner = "Logging before InitGoogleLogging()";
+const char* const kProbe = "torchrpc logging probe";
+
+struct ChildResult {
+  int exitCode = -1; // -1: killed at the deadline
+  std::string stderrText;
+};
+
+// Runs this test binary on `test` alone (a DISABLED_ one) in a new process
+// whose stdout and stderr go to a file, without GLOG_* variables so that glog's
+// defaults apply. Waits 30 s at most, then kills the child by pid.
+ChildResult runThisBinaryOn(
+    const std::string& test,
+    std::string extraVariable = "") {
+  auto path = std::filesystem::temp_directory_path() /
+      ("torchrpc_logging_test_" + std::to_string(::getpid()));
+  std::string stderrPath = path.string();
+  // Everything the child needs is built before fork(): after it, only
+  // async-signal-safe calls.
+  std::string filter = "--gtest_filter=" + test;
+  std::string alsoDisabled = "--gtest_also_run_disabled_tests";
+  std::string self = "/proc/self/exe";
+  std::vector<char*> argv{
+      self.data(),
+      filter.data(),
+      alsoDisabled.data(),
+      nullptr};
+  std::vector<char*> envp;
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (std::string(*e).rfind("GLOG_", 0) != 0) {
+      envp.push_back(*e);
+    }
+  }
+  if (!extraVariable.empty()) {
+    envp.push_back(extraVariable.data());
+  }
+  envp.push_back(nullptr);
+  int fd = ::open(stderrPath.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  EXPECT_GE(fd, 0) << stderrPath;
+  if (fd < 0) {
+    return {};
+  }
+  std::fflush(nullptr);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(fd, STDOUT_FILENO);
+    ::dup2(fd, STDERR_FILENO);
+    ::execve(self.c_str(), argv.data(), envp.data());
+    ::_exit(127);
+  }
+  ::close(fd);
+  ChildResult result;
+  EXPECT_GT(pid, 0) << "fork failed";
+  if (pid > 0) {
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    for (;;) {
+      int status = 0;
+      if (::waitpid(pid, &status, WNOHANG) == pid) {
+        result.exitCode = WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+        break;
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        ::kill(pid, SIGKILL);
+        ::waitpid(pid, nullptr, 0);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  std::ifstream in(stderrPath);
+  result.stderrText.assign(
+      std::istreambuf_iterator<char>(in),
+      std::istreambuf_iterator<char>());
+  std::filesystem::remove(path);
+  return result;
+}
+
+// The child: a user's program that constructs a Runtime, then something
+// logs through libtorch.
+TEST(LoggingChild, DISABLED_LogsAfterConstructingARuntime) {
+  rpc::Options options;
+  options.inProcessNetwork = std::make_shared<rpc::InProcessNetwork>();
+  rpc::Runtime runtime("w", options);
+  LOG(WARNING) << kProbe;
+}
+
+TEST(Logging, NoBannerAndMessagesStillReachStderr) {
+  auto child =
+      runThisBinaryOn("LoggingChild.DISABLED_LogsAfterConstructingARuntime");
+  EXPECT_EQ(child.exitCode, 0) << child.stderrText;
+  EXPECT_EQ(child.stderrText.find(kBanner), std::string::npos)
+      << child.stderrText;
+  // Initialising glog must not send messages away from stderr (by default
+  // it would write them to files instead).
+  EXPECT_NE(child.stderrText.find(kProbe), std::string::npos)
+      << child.stderrText;
+}
+
+#ifdef C10_USE_GLOG
+// The child: an application that configured glog itself (messages to files
+// under TORCHRPC_TEST_LOG_DIR only) before constructing a Runtime.
+TEST(LoggingChild, DISABLED_ApplicationInitialisedGlogFirst) {
+  const char* dir = std::getenv("TORCHRPC_TEST_LOG_DIR");
+  ASSERT_NE(dir, nullptr);
+  FLAGS_log_dir = dir;
+  FLAGS_logtostderr = false;
+  google::InitGoogleLogging("application");
+  rpc::Options options;
+  options.inProcessNetwork = std::make_shared<rpc::InProcessNetwork>();
+  // glog aborts on a second initialisation; the Runtime must not attempt one.
+  rpc::Runtime runtime("w", options);
+  EXPECT_FALSE(FLAGS_logtostderr);
+  LOG(WARNING) << kProbe;
+}
+
+TEST(Logging, AnApplicationsOwnGlogConfigurationStands) {
+  auto dir = std::filesystem::temp_directory_path() /
+      ("torchrpc_logging_dir_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  auto child = runThisBinaryOn(
+      "LoggingChild.DISABLED_ApplicationInitialisedGlogFirst",
+      "TORCHRPC_TEST_LOG_DIR=" + dir.string());
+  std::filesystem::remove_all(dir);
+  EXPECT_EQ(child.exitCode, 0) << child.stderrText;
+  EXPECT_EQ(child.stderrText.find(kBanner), std::string::npos)
+      << child.stderrText;
+  // A warning goes to the application's log files, not to stderr.
+  EXPECT_EQ(child.stderrText.find(kProbe), std::string::npos)
+      << child.stderrText;
+}
+#endif
+
+} // namespace
+} // namespace torchrpc
