@@ -41,12 +41,6 @@ void write(
   TORCH_CHECK(out.good(), "cannot write ", dir, "/", name);
 }
 
-std::string u64(uint64_t value) {
-  std::string out;
-  appendU64(out, value);
-  return out;
-}
-
 // Selector 0: a worker's default limits; 2: the rendezvous store's.
 void frameHeaders() {
   const std::string t = "frame_header_fuzzer";
