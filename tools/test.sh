@@ -6,7 +6,11 @@
 #
 # Release build in ./build (BUILD_DIR overrides), Ninja when installed,
 # ccache in ~/.cache/ccache (CCACHE_DIR overrides), JOBS=2 parallel jobs.
-# Exits non-zero when the build or any test fails; prints ctest's summary last.
+# Then, when clang is installed, a bounded fuzz run (tools/fuzz.sh: builds
+# rpc/ and the fuzzers with clang in ./build-fuzz, runs each target
+# FUZZ_SECONDS, default 12 s); TORCHRPC_FUZZ=0 skips it.
+# Exits non-zero when the build, any test or the fuzz run fails; prints
+# ctest's summary last.
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -30,6 +34,26 @@ log="${build}/ctest.log"
 status=0
 ctest --test-dir "${build}" --output-on-failure -j "${jobs}" --timeout 300 \
   2>&1 | tee "${log}" || status=$?
+
+# A run of its own rather than a CTest test: the fuzzers need a second,
+# clang-built tree, which a CTest test of this tree could only skip.
+fuzz="skipped (TORCHRPC_FUZZ=0)"
+if [[ "${TORCHRPC_FUZZ:-1}" != 0 ]]; then
+  if ! command -v clang++ >/dev/null; then
+    fuzz="skipped (no clang++; tools/setup_debian.sh installs it)"
+  else
+    fuzz_start=${SECONDS}
+    if FUZZ_SECONDS="${FUZZ_SECONDS:-12}" JOBS="${jobs}" \
+        bash "${repo}/tools/fuzz.sh" </dev/null; then
+      fuzz="passed in $((SECONDS - fuzz_start)) s"
+    else
+      fuzz="FAILED after $((SECONDS - fuzz_start)) s"
+      status=1
+    fi
+  fi
+fi
+
 echo "test.sh: $(grep -E 'tests passed|No tests were found' "${log}" | tail -1 || echo 'ctest printed no summary')"
+echo "test.sh: fuzzing ${fuzz}"
 echo "test.sh: total $((SECONDS - start)) s"
 exit "${status}"

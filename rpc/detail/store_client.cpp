@@ -146,7 +146,7 @@ class StoreClient : public RendezvousStore {
     }
     std::weak_ptr<Shared> weak = shared_;
     connection->start(
-        [weak, generation](Message&& message) {
+        [weak](Message&& message) {
           auto shared = weak.lock();
           store::StoreReply reply;
           if (!shared || !message.tensors.empty() ||
@@ -187,7 +187,11 @@ class StoreClient : public RendezvousStore {
     const auto giveUp = start + options_.timeout;
     auto backoff = std::chrono::milliseconds(20);
     while (true) {
-      auto [connection, generation] = this->connection();
+      // Not a structured binding: C++17 does not let the lambda below
+      // capture one (clang refuses it; tools/fuzz.sh builds with clang).
+      auto current = this->connection();
+      auto connection = std::move(current.first);
+      const uint64_t generation = current.second;
       uint64_t id = nextId_.fetch_add(1);
       request.set_id(id);
       {

@@ -3,12 +3,10 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
 
-#include <atomic>
 #include <charconv>
-#include <unordered_map>
 #include <utility>
 
-#include "proto/rpc/store.pb.h"
+#include "torchrpc/rpc/detail/store_session.h"
 #include "torchrpc/rpc/transport/tcp/tcp_transport.h"
 
 namespace torchrpc {
@@ -115,7 +113,14 @@ std::string StoreState::add(
         return "add() on a key whose value is not a number";
       }
     }
-    *result = current + delta;
+    // A client's delta may be anything: signed overflow would be undefined
+    // (the store fuzzer's UBSan build stops on it).
+    int64_t sum = 0;
+    if (__builtin_add_overflow(current, delta, &sum)) {
+      return "add() of " + std::to_string(delta) + " to " +
+          std::to_string(current) + " overflows a 64-bit integer";
+    }
+    *result = sum;
     error = storeLocked(key, std::to_string(*result));
     if (!error.empty()) {
       return error;
@@ -209,185 +214,42 @@ size_t StoreState::pendingWaits() const {
 // ---- StoreServer
 // -------------------------------------------------------------
 
-namespace {
-
-// One client's connection: its pending waits, by the client's request id.
-struct Client {
-  std::shared_ptr<Connection> connection;
-  std::mutex mutex;
-  std::unordered_map<uint64_t, uint64_t> waits; // request id -> wait id
-  bool closed = false;
-};
-
-void sendReply(Connection& connection, const store::StoreReply& reply) {
-  Message message;
-  message.header = reply.SerializeAsString();
-  connection.send(std::move(message), [](const TransportError*) {});
-}
-
-std::vector<std::string> keysOf(
-    const google::protobuf::RepeatedPtrField<std::string>& keys) {
-  return std::vector<std::string>(keys.begin(), keys.end());
-}
-
-} // namespace
-
 struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
   Impl(StoreServerOptions o, std::shared_ptr<StoreState> s)
       : options(std::move(o)),
         state(std::move(s)) {}
 
+  // Each connection gets a session; a connection that fails takes its
+  // session's waits with it. The connection and its callbacks hold each
+  // other until it fails, when it drops its callbacks.
   void accept(std::shared_ptr<Connection> connection) {
-    auto client = std::make_shared<Client>();
-    client->connection = connection;
+    auto session =
+        std::make_shared<StoreSession>(state, [connection](std::string reply) {
+          Message message;
+          message.header = std::move(reply);
+          connection->send(std::move(message), [](const TransportError*) {});
+        });
     std::weak_ptr<Impl> weak = shared_from_this();
     connection->start(
-        [weak, client](Message&& message) {
-          if (auto self = weak.lock()) {
-            self->onRequest(client, std::move(message));
+        [weak, session, connection](Message&& message) {
+          if (!weak.lock()) {
+            return;
+          }
+          std::string refusal = message.tensors.empty()
+              ? session->handle(message.header)
+              : "a request that does not parse";
+          if (!refusal.empty()) {
+            LOG(WARNING) << "rendezvous store: closing the connection from "
+                         << connection->describe() << ": " << refusal;
+            connection->close();
           }
         },
-        [weak, client](const TransportError&) {
-          if (auto self = weak.lock()) {
-            self->forget(*client);
-          }
-        });
-  }
-
-  // A client that went away: its waits are dropped.
-  void forget(Client& client) {
-    std::unordered_map<uint64_t, uint64_t> waits;
-    {
-      std::lock_guard<std::mutex> guard(client.mutex);
-      client.closed = true;
-      waits.swap(client.waits);
-    }
-    for (const auto& wait : waits) {
-      state->cancelWait(wait.second);
-    }
-  }
-
-  void refuse(Client& client, const std::string& why) {
-    LOG(WARNING) << "rendezvous store: closing the connection from "
-                 << client.connection->describe() << ": " << why;
-    client.connection->close();
-  }
-
-  void onRequest(const std::shared_ptr<Client>& client, Message&& message) {
-    store::StoreRequest request;
-    if (!message.tensors.empty() || !request.ParseFromString(message.header)) {
-      refuse(*client, "a request that does not parse");
-      return;
-    }
-    store::StoreReply reply;
-    reply.set_id(request.id());
-    switch (request.op_case()) {
-      case store::StoreRequest::kSet:
-        reply.set_error(state->set(
-            request.set().key(),
-            std::move(*request.mutable_set()->mutable_value())));
-        break;
-      case store::StoreRequest::kGet: {
-        auto value = state->get(request.get().key());
-        reply.set_found(value.has_value());
-        if (value) {
-          reply.set_value(std::move(*value));
-        }
-        break;
-      }
-      case store::StoreRequest::kAdd: {
-        int64_t result = 0;
-        reply.set_error(
-            state->add(request.add().key(), request.add().delta(), &result));
-        reply.set_number(result);
-        break;
-      }
-      case store::StoreRequest::kCheck:
-        if (static_cast<size_t>(request.check().keys_size()) >
-            options.limits.maxKeysPerRequest) {
-          reply.set_error("too many keys in one check");
-        } else {
-          reply.set_found(state->check(keysOf(request.check().keys())));
-        }
-        break;
-      case store::StoreRequest::kWait: {
-        auto error = startWait(client, request);
-        if (!error) {
-          return; // replied when the keys exist
-        }
-        reply.set_error(*error);
-        break;
-      }
-      case store::StoreRequest::kCancelWait: {
-        uint64_t waitId = 0;
-        {
-          std::lock_guard<std::mutex> guard(client->mutex);
-          auto it = client->waits.find(request.cancel_wait().wait_id());
-          if (it == client->waits.end()) {
-            return;
-          }
-          waitId = it->second;
-          client->waits.erase(it);
-        }
-        state->cancelWait(waitId);
-        return; // no reply: the client stopped waiting
-      }
-      case store::StoreRequest::OP_NOT_SET:
-        refuse(*client, "a request without an operation");
-        return;
-    }
-    sendReply(*client->connection, reply);
-  }
-
-  // Registers a wait: nullopt when it is pending (the reply comes once its
-  // keys exist), else why it was refused.
-  std::optional<std::string> startWait(
-      const std::shared_ptr<Client>& client,
-      const store::StoreRequest& request) {
-    uint64_t requestId = request.id();
-    uint64_t waitId = nextWaitId.fetch_add(1);
-    {
-      std::lock_guard<std::mutex> guard(client->mutex);
-      if (client->closed || client->waits.count(requestId) > 0) {
-        return "wait id " + std::to_string(requestId) +
-            " is already pending on this connection";
-      }
-      client->waits.emplace(requestId, waitId);
-    }
-    std::weak_ptr<Client> weakClient = client;
-    std::string error = state->wait(
-        waitId,
-        keysOf(request.wait().keys()),
-        [weakClient, requestId]() {
-          auto client = weakClient.lock();
-          if (!client) {
-            return;
-          }
-          {
-            std::lock_guard<std::mutex> guard(client->mutex);
-            if (client->waits.erase(requestId) == 0) {
-              return; // cancelled meanwhile
-            }
-          }
-          store::StoreReply reply;
-          reply.set_id(requestId);
-          reply.set_found(true);
-          sendReply(*client->connection, reply);
-        });
-    if (error.empty()) {
-      return std::nullopt;
-    }
-    {
-      std::lock_guard<std::mutex> guard(client->mutex);
-      client->waits.erase(requestId);
-    }
-    return error;
+        [session](const TransportError&) { session->close(); });
   }
 
   const StoreServerOptions options;
   const std::shared_ptr<StoreState> state;
   std::unique_ptr<TcpTransport> transport;
-  std::atomic<uint64_t> nextWaitId{1};
   std::mutex closeMutex;
   bool closed = false;
 };

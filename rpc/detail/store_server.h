@@ -1,5 +1,6 @@
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -70,6 +71,13 @@ class StoreState {
 
   size_t storedBytes() const;
   size_t pendingWaits() const;
+  const StoreLimits& limits() const {
+    return limits_;
+  }
+  // A wait id no other wait of this store has (StoreSession's waits).
+  uint64_t newWaitId() {
+    return nextWaitId_.fetch_add(1);
+  }
 
  private:
   struct Waiter {
@@ -88,6 +96,7 @@ class StoreState {
   size_t storedBytes_ = 0;
   std::map<uint64_t, Waiter> waiters_;
   size_t waitingBytes_ = 0;
+  std::atomic<uint64_t> nextWaitId_{1};
 };
 
 struct StoreServerOptions {

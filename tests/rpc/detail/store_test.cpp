@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <future>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -169,6 +170,26 @@ TEST(Store, CapsRefuseOversizedRequestsAndKeepNothing) {
       errorOf([&] { c->wait(many, 1s); }),
       "a wait may name at most 8 keys");
   EXPECT_EQ(server.state()->pendingWaits(), 0u);
+}
+
+// Found by the store fuzzer: a sum past int64 was undefined behaviour.
+TEST(Store, AnAddThatWouldOverflowIsRefusedAndKeepsTheValue) {
+  StoreServer server(serverOptions());
+  auto c = client(server);
+  const int64_t max = std::numeric_limits<int64_t>::max();
+  const int64_t min = std::numeric_limits<int64_t>::min();
+  EXPECT_EQ(c->add("up", max), max);
+  expectContains(
+      errorOf([&] { c->add("up", 1); }),
+      "add() of 1 to 9223372036854775807 overflows a 64-bit integer");
+  EXPECT_EQ(c->get("up"), std::to_string(max));
+  EXPECT_EQ(c->add("down", min), min);
+  expectContains(
+      errorOf([&] { c->add("down", -1); }),
+      "add() of -1 to -9223372036854775808 overflows a 64-bit integer");
+  EXPECT_EQ(c->get("down"), std::to_string(min));
+  // The edges themselves are fine.
+  EXPECT_EQ(c->add("up", -max), 0);
 }
 
 TEST(Store, WithASecretOnlyClientsThatKnowItAreServed) {
