@@ -54,7 +54,8 @@ int parseNnodes(const std::string& text) {
     }
     if (used == 0 || used != part.size() || value < 1) {
       throw CLI::ValidationError(
-          "--nnodes", "expects N or N:N with N >= 1, got '" + text + "'");
+          "--nnodes",
+          "expects N or N:N with N >= 1, got '" + text + "'");
     }
     return value;
   };
