@@ -4,7 +4,6 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <algorithm>
-#include <atomic>
 #include <condition_variable>
 #include <mutex>
 #include <utility>
@@ -90,7 +89,7 @@ class LocalRendezvousStore : public RendezvousStore {
       bool done = false;
     };
     auto signal = std::make_shared<Signal>();
-    uint64_t waitId = nextWaitId();
+    uint64_t waitId = state_->newWaitId();
     std::string error = state_->wait(waitId, keys, [signal]() {
       std::lock_guard<std::mutex> guard(signal->mutex);
       signal->done = true;
@@ -110,13 +109,6 @@ class LocalRendezvousStore : public RendezvousStore {
   }
 
  private:
-  // Waits of this process use the top half of the id space; the server's
-  // clients count from 1.
-  static uint64_t nextWaitId() {
-    static std::atomic<uint64_t> next{uint64_t(1) << 63};
-    return next.fetch_add(1);
-  }
-
   std::shared_ptr<StoreState> state_;
   std::string what_;
 };
