@@ -426,7 +426,9 @@ bool Rendezvous::barrier(const std::string& phase, Clock::time_point deadline) {
     keys.push_back(key(phase + "/" + std::to_string(rank)));
   }
   try {
-    store_->set(keys[rank_], "1");
+    if (!store_->setBefore(keys[rank_], "1", deadline)) {
+      return false; // the store has gone: the others cannot meet here
+    }
   } catch (const std::exception&) {
     return false;
   }
@@ -435,8 +437,11 @@ bool Rendezvous::barrier(const std::string& phase, Clock::time_point deadline) {
 
 bool Rendezvous::leave(Clock::time_point deadline) {
   if (rank_ != 0) {
+    // Rank 0 closes the store once every "left" key is there, possibly
+    // before this set's reply is on its way: a store gone by now has seen
+    // the key or given up on it, and either way rank 0 needs nothing more.
     try {
-      store_->set(key("left/" + std::to_string(rank_)), "1");
+      store_->setBefore(key("left/" + std::to_string(rank_)), "1", deadline);
       return true;
     } catch (const std::exception&) {
       return false;

@@ -28,6 +28,19 @@ class RendezvousStore {
   virtual ~RendezvousStore() = default;
 
   virtual void set(const std::string& key, const std::string& value) = 0;
+  // set() for a worker on its way out, bounded by `deadline`. Returns false,
+  // instead of waiting for it to come back, when the store has gone away
+  // (it served this process and now refuses connections: rank 0 left);
+  // throws c10::Error when the store refuses the key or the deadline passes.
+  // Stores that cannot go away on their own (a c10d store, rank 0's own)
+  // just set().
+  virtual bool setBefore(
+      const std::string& key,
+      const std::string& value,
+      std::chrono::steady_clock::time_point /*deadline*/) {
+    set(key, value);
+    return true;
+  }
   // The key's value; throws c10::Error if it does not exist.
   virtual std::string get(const std::string& key) = 0;
   virtual int64_t add(const std::string& key, int64_t delta) = 0;

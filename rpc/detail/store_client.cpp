@@ -34,6 +34,9 @@ struct Shared {
   // Replies of the calls still waiting; others are dropped.
   std::set<uint64_t> awaited;
   std::map<uint64_t, store::StoreReply> replies;
+  // Whether the server has answered a call: from then on, a server that
+  // refuses connections has gone away rather than not started yet.
+  bool served = false;
 };
 
 class StoreClient : public RendezvousStore {
@@ -65,13 +68,34 @@ class StoreClient : public RendezvousStore {
     store::StoreRequest request;
     request.mutable_set()->set_key(key);
     request.mutable_set()->set_value(value);
-    expectOk(call(request, "set(" + key + ")"), "set(" + key + ")");
+    expectOk(call(request, "set(" + key + ")", giveUp()), "set(" + key + ")");
+  }
+
+  bool setBefore(
+      const std::string& key,
+      const std::string& value,
+      Clock::time_point deadline) override {
+    store::StoreRequest request;
+    request.mutable_set()->set_key(key);
+    request.mutable_set()->set_value(value);
+    bool gone = false;
+    auto reply = call(
+        request,
+        "set(" + key + ")",
+        std::min(giveUp(), deadline),
+        std::nullopt,
+        &gone);
+    if (gone) {
+      return false;
+    }
+    expectOk(reply, "set(" + key + ")");
+    return true;
   }
 
   std::string get(const std::string& key) override {
     store::StoreRequest request;
     request.mutable_get()->set_key(key);
-    auto reply = call(request, "get(" + key + ")");
+    auto reply = call(request, "get(" + key + ")", giveUp());
     expectOk(reply, "get(" + key + ")");
     TORCH_CHECK(reply->found(), describe(), " has no key '", key, "'");
     return reply->value();
@@ -81,7 +105,7 @@ class StoreClient : public RendezvousStore {
     store::StoreRequest request;
     request.mutable_add()->set_key(key);
     request.mutable_add()->set_delta(delta);
-    auto reply = call(request, "add(" + key + ")");
+    auto reply = call(request, "add(" + key + ")", giveUp());
     expectOk(reply, "add(" + key + ")");
     return reply->number();
   }
@@ -91,7 +115,7 @@ class StoreClient : public RendezvousStore {
     for (const auto& key : keys) {
       request.mutable_check()->add_keys(key);
     }
-    auto reply = call(request, "check");
+    auto reply = call(request, "check", giveUp());
     expectOk(reply, "check");
     return reply->found();
   }
@@ -103,7 +127,9 @@ class StoreClient : public RendezvousStore {
     for (const auto& key : keys) {
       request.mutable_wait()->add_keys(key);
     }
-    auto reply = call(request, "wait", Clock::now() + timeout);
+    auto waitDeadline = Clock::now() + timeout;
+    auto reply =
+        call(request, "wait", std::max(giveUp(), waitDeadline), waitDeadline);
     if (!reply) {
       return false;
     }
@@ -176,16 +202,21 @@ class StoreClient : public RendezvousStore {
   }
 
   // Sends `request` and waits for its reply, reconnecting while the server
-  // is unreachable. With a deadline (a wait), nullopt when it passes (the
-  // server is told to drop the wait); without, throws once options_.timeout
-  // passes.
+  // is unreachable, and throws once `giveUp` passes. With a waitDeadline (a
+  // wait), nullopt when it passes first (the server is told to drop the
+  // wait). A server that has answered this client and then loses the
+  // connection and refuses a new one has gone away (rank 0 left or died):
+  // waiting longer cannot help, so that ends the call at once, as nullopt
+  // with *gone set when the caller asked, as an error otherwise.
   std::optional<store::StoreReply> call(
       store::StoreRequest& request,
       const std::string& what,
-      std::optional<Clock::time_point> waitDeadline = std::nullopt) {
+      Clock::time_point giveUp,
+      std::optional<Clock::time_point> waitDeadline = std::nullopt,
+      bool* gone = nullptr) {
     const auto start = Clock::now();
-    const auto giveUp = start + options_.timeout;
     auto backoff = std::chrono::milliseconds(20);
+    int failuresSinceServed = 0;
     while (true) {
       // Not a structured binding: C++17 does not let the lambda below
       // capture one (clang refuses it; tools/fuzz.sh builds with clang).
@@ -202,7 +233,7 @@ class StoreClient : public RendezvousStore {
       message.header = request.SerializeAsString();
       connection->send(std::move(message), [](const TransportError*) {});
 
-      auto deadline = waitDeadline ? *waitDeadline : giveUp;
+      auto deadline = waitDeadline ? std::min(*waitDeadline, giveUp) : giveUp;
       std::unique_lock<std::mutex> lock(shared_->mutex);
       bool settled = shared_->changed.wait_until(lock, deadline, [&] {
         return shared_->replies.count(id) > 0 ||
@@ -213,12 +244,14 @@ class StoreClient : public RendezvousStore {
       if (it != shared_->replies.end()) {
         store::StoreReply reply = std::move(it->second);
         shared_->replies.erase(it);
+        shared_->served = true;
         return reply;
       }
       std::string lastError = shared_->lastError;
+      const bool served = shared_->served;
       lock.unlock();
       if (!settled) {
-        if (waitDeadline) {
+        if (waitDeadline && *waitDeadline <= giveUp) {
           store::StoreRequest cancel;
           cancel.mutable_cancel_wait()->set_wait_id(id);
           Message cancelMessage;
@@ -233,11 +266,27 @@ class StoreClient : public RendezvousStore {
             " did not answer ",
             what,
             " within ",
-            options_.timeout.count(),
+            std::chrono::duration_cast<std::chrono::milliseconds>(
+                Clock::now() - start)
+                .count(),
             " ms");
       }
-      // The connection failed (the server is not up yet, or went away):
-      // try again until the time is up.
+      // The connection failed: the server is not up yet, went away for a
+      // moment, or is gone for good.
+      if (served && ++failuresSinceServed >= 2) {
+        if (gone != nullptr) {
+          *gone = true;
+          return std::nullopt;
+        }
+        TORCH_CHECK(
+            false,
+            describe(),
+            " has gone away (it closed the connection and refuses new "
+            "ones; has rank 0 stopped?) during ",
+            what,
+            ": ",
+            lastError);
+      }
       auto now = Clock::now();
       auto end = waitDeadline ? std::min(*waitDeadline, giveUp) : giveUp;
       if (now + backoff >= end) {
@@ -251,13 +300,18 @@ class StoreClient : public RendezvousStore {
             " for ",
             what,
             " within ",
-            options_.timeout.count(),
+            std::chrono::duration_cast<std::chrono::milliseconds>(now - start)
+                .count(),
             " ms: ",
             lastError);
       }
       std::this_thread::sleep_for(backoff);
       backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
     }
+  }
+
+  Clock::time_point giveUp() const {
+    return Clock::now() + options_.timeout;
   }
 
   const StoreClientOptions options_;

@@ -144,6 +144,42 @@ TEST(Store, AnUnreachableServerFailsWithinTheTimeoutNamingIt) {
       "cannot reach the rendezvous store at tcp://127.0.0.1:1");
 }
 
+// Rank 0 closes its store once every other worker has left, possibly
+// before the reply to the last "left" key is out: that worker must not
+// then spend its whole timeout reconnecting to a store that is gone.
+TEST(Store, AServerThatWentAwayEndsCallsAtOnce) {
+  auto server = std::make_unique<StoreServer>(serverOptions());
+  const std::string address = server->address();
+  auto c = client(*server, "", 30s);
+  c->set("k", "1");
+  server.reset();
+
+  auto start = Clock::now();
+  EXPECT_FALSE(c->setBefore("left", "1", Clock::now() + 30s));
+  EXPECT_LT(Clock::now() - start, 10s);
+  start = Clock::now();
+  std::string error = errorOf([&] { c->set("k", "2"); });
+  EXPECT_LT(Clock::now() - start, 10s);
+  expectContains(
+      error,
+      "the rendezvous store at " + address + " has gone away");
+  expectContains(error, "during set(k)");
+}
+
+// A server that is back on its port by the next call is not gone.
+TEST(Store, AServerBackOnItsPortServesTheNextCall) {
+  auto server = std::make_unique<StoreServer>(serverOptions());
+  const int port = portOf(server->address());
+  auto c = client(*server, "", 30s);
+  c->set("k", "1");
+  server.reset();
+  auto o = serverOptions();
+  o.listenAddress = "127.0.0.1:" + std::to_string(port);
+  StoreServer again(o);
+  EXPECT_TRUE(c->setBefore("k", "2", Clock::now() + 30s));
+  EXPECT_EQ(c->get("k"), "2");
+}
+
 TEST(Store, CapsRefuseOversizedRequestsAndKeepNothing) {
   auto o = serverOptions();
   o.limits.maxValueBytes = 1000;
