@@ -20,6 +20,9 @@ build="${BUILD_DIR:-${repo}/build-fuzz}"
 jobs="${JOBS:-2}"
 seconds="${FUZZ_SECONDS:-20}"
 export CCACHE_DIR="${CCACHE_DIR:-${HOME:-/tmp}/.cache/ccache}"
+# Paths inside the clone hash as relative ones, so a clone elsewhere (a
+# fresh CI checkout) reuses what an earlier build of the same sources cached.
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-${repo}}"
 
 runs=""
 write_corpus=0

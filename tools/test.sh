@@ -5,7 +5,8 @@
 #   bash tools/test.sh
 #
 # Release build in ./build (BUILD_DIR overrides), Ninja when installed,
-# ccache in ~/.cache/ccache (CCACHE_DIR overrides), JOBS=2 parallel jobs.
+# ccache in ~/.cache/ccache (CCACHE_DIR overrides; paths relative to the
+# clone, CCACHE_BASEDIR), JOBS=2 parallel jobs.
 # Then, when clang is installed, a bounded fuzz run (tools/fuzz.sh: builds
 # rpc/ and the fuzzers with clang in ./build-fuzz, runs each target
 # FUZZ_SECONDS, default 12 s); TORCHRPC_FUZZ=0 skips it.
@@ -17,6 +18,9 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${BUILD_DIR:-${repo}/build}"
 jobs="${JOBS:-2}"
 export CCACHE_DIR="${CCACHE_DIR:-${HOME:-/tmp}/.cache/ccache}"
+# Paths inside the clone hash as relative ones, so a clone elsewhere (a
+# fresh CI checkout) reuses what an earlier build of the same sources cached.
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-${repo}}"
 mkdir -p "${CCACHE_DIR}"
 
 configure=(cmake -S "${repo}" -B "${build}" -DCMAKE_BUILD_TYPE=Release)
