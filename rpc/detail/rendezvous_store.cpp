@@ -2,10 +2,12 @@
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
 #include <condition_variable>
 #include <mutex>
+#include <thread>
 #include <utility>
 
 #include "torchrpc/rpc/detail/store_server.h"
@@ -20,7 +22,8 @@ class C10dRendezvousStore : public RendezvousStore {
  public:
   C10dRendezvousStore(c10::intrusive_ptr<c10d::Store> store, std::string what)
       : store_(std::move(store)),
-        what_(std::move(what)) {}
+        what_(std::move(what)),
+        isTcpStore_(dynamic_cast<c10d::TCPStore*>(store_.get()) != nullptr) {}
 
   void set(const std::string& key, const std::string& value) override {
     store_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
@@ -38,14 +41,32 @@ class C10dRendezvousStore : public RendezvousStore {
   bool wait(
       const std::vector<std::string>& keys,
       std::chrono::milliseconds timeout) override {
-    try {
-      store_->wait(keys, std::max(timeout, std::chrono::milliseconds(1)));
-      return true;
-    } catch (const std::exception&) {
-      // c10d reports a timeout and a broken store alike; a store that
-      // still answers timed out, one that does not throws from check().
+    if (!isTcpStore_) {
+      try {
+        store_->wait(keys, std::max(timeout, std::chrono::milliseconds(1)));
+        return true;
+      } catch (const std::exception&) {
+        // c10d reports a timeout and a broken store alike; a store that
+        // still answers timed out, one that does not throws from check().
+      }
+      return store_->check(keys);
     }
-    return store_->check(keys);
+    // The rendezvous waits in slices, and a TCPStore client whose wait()
+    // timed out is broken from then on (libtorch 1.13: the wait's late
+    // answer is still due, and the client's next get() fails with "Socket
+    // Timeout"): poll check() instead.
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    auto pause = std::chrono::milliseconds(5);
+    while (!store_->check(keys)) {
+      auto now = std::chrono::steady_clock::now();
+      if (now >= deadline) {
+        return false;
+      }
+      std::this_thread::sleep_for(
+          std::min<std::chrono::nanoseconds>(pause, deadline - now));
+      pause = std::min(pause * 2, std::chrono::milliseconds(50));
+    }
+    return true;
   }
   std::string describe() const override {
     return what_;
@@ -54,6 +75,7 @@ class C10dRendezvousStore : public RendezvousStore {
  private:
   c10::intrusive_ptr<c10d::Store> store_;
   std::string what_;
+  const bool isTcpStore_;
 };
 
 class LocalRendezvousStore : public RendezvousStore {
