@@ -316,7 +316,10 @@ bool ContextContainer::waitForReleases(std::chrono::milliseconds timeout) {
   });
 }
 
-FuturePtr ContextContainer::releaseAndForward(int64_t id, int64_t except) {
+FuturePtr ContextContainer::releaseAndForward(
+    int64_t id,
+    int64_t except,
+    int64_t alsoExcept) {
   std::shared_ptr<DistContext> context;
   {
     std::lock_guard<std::mutex> guard(mutex_);
@@ -345,7 +348,8 @@ FuturePtr ContextContainer::releaseAndForward(int64_t id, int64_t except) {
   message.set_context_id(id);
   std::string body = message.SerializeAsString();
   for (int64_t peer : context->peers()) {
-    if (peer == except || peer == selfId_) {
+    if (peer == except || peer == alsoExcept || peer == selfId_ ||
+        agent_.lostCause(peer).has_value()) {
       continue;
     }
     answers.push_back(agent_.send(
@@ -370,6 +374,40 @@ FuturePtr ContextContainer::onReleaseContext(rpc::Request&& request) {
   }
   // Answered once the peers it reached have released it too (R4).
   return releaseAndForward(message.context_id(), request.from.id);
+}
+
+void ContextContainer::workerLost(
+    const rpc::WorkerInfo& worker,
+    const std::string& cause) {
+  std::vector<std::shared_ptr<DistContext>> touched;
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    if (closed_) {
+      return;
+    }
+    for (const auto& entry : contexts_) {
+      const auto& context = entry.second;
+      if ((entry.first >> kIdShift) == worker.id ||
+          context->peers().count(worker.id) > 0) {
+        touched.push_back(context);
+      }
+    }
+  }
+  for (const auto& context : touched) {
+    const int64_t opener = context->id() >> kIdShift;
+    context->close(rpc::makeRpcError(
+        rpc::ErrorCode::kWorkerUnavailable,
+        worker.name,
+        "autograd.backward",
+        0,
+        "worker '" + worker.name + "' was lost during the pass of context " +
+            std::to_string(context->id()) + ": " + cause));
+    // A context opened here stays for its guard: its next pass fails on
+    // the lost worker, naming it. One a live worker opened stays there.
+    if (opener != selfId_) {
+      releaseAndForward(context->id(), worker.id, opener);
+    }
+  }
 }
 
 void ContextContainer::closed() {

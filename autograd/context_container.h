@@ -59,6 +59,13 @@ class DistEngine;
 //      worker remembers the last kMaxReleased released ids and refuses to
 //      join them again: a message of a released context fails with
 //      kBadArguments.
+//  R5. When a worker is lost (Note [Lost workers]), the passes of every
+//      context it took part in here, or opened, fail with
+//      kWorkerUnavailable naming it. Such a context is released here and on
+//      its other workers as in R4 (the lost worker cannot do it), except on
+//      the worker that opened it, where it stays for its guard (its next
+//      pass fails on the lost worker, naming it). Releases skip lost
+//      workers.
 //
 // Guarantees:
 //  G1. Contexts never mix: what a message records goes into the context it
@@ -117,6 +124,11 @@ class ContextContainer : public rpc::RuntimeLayer,
 
   // ---- RuntimeLayer ---------------------------------------------------
   std::string name() const override;
+  // Releases, here and on their other workers, the contexts the lost worker
+  // opened or exchanged messages with here, failing their passes with an
+  // error naming it (Note [Distributed autograd recording], R5).
+  void workerLost(const rpc::WorkerInfo& worker, const std::string& cause)
+      override;
   void closed() override;
 
  private:
@@ -149,11 +161,12 @@ class ContextContainer : public rpc::RuntimeLayer,
 
   // The context, created if new (R2); throws for a released one (R4).
   std::shared_ptr<DistContext> join(int64_t id);
-  // Removes the context and tells its peers (but `except`); the future
-  // completes when all answered.
+  // Removes the context and tells its peers (but `except`, `alsoExcept`
+  // and lost workers); the future completes when all answered.
   c10::intrusive_ptr<c10::ivalue::Future> releaseAndForward(
       int64_t id,
-      int64_t except);
+      int64_t except,
+      int64_t alsoExcept = -1);
 
   rpc::Runtime& runtime_;
   rpc::Agent& agent_;

@@ -141,13 +141,17 @@ c10::Dict<at::Tensor, at::Tensor> DistContext::gradients() const {
   return gradients_.copy();
 }
 
-void DistContext::close() {
+void DistContext::close(std::exception_ptr why) {
   std::map<int64_t, std::shared_ptr<detail::LocalBackward>> passes;
   {
     std::lock_guard<std::mutex> guard(mutex_);
     passes.swap(passes_);
   }
   for (auto& entry : passes) {
+    if (why) {
+      entry.second->fail(why);
+      continue;
+    }
     entry.second->fail(rpc::makeRpcError(
         rpc::ErrorCode::kShuttingDown,
         workerName_,

@@ -101,8 +101,9 @@ class DistContext {
   // into it.
   c10::Dict<at::Tensor, at::Tensor> gradients() const;
 
-  // The context is released: fails the passes still running here.
-  void close();
+  // The context is released: fails the passes still running here, with
+  // `why` if given.
+  void close(std::exception_ptr why = nullptr);
 
  private:
   const int64_t id_;

@@ -17,6 +17,7 @@
 
 #include "proto/rpc/envelope.pb.h"
 #include "torchrpc/rpc/detail/cancelled_requests.h"
+#include "torchrpc/rpc/detail/lost_workers.h"
 #include "torchrpc/rpc/detail/spinning_thread_pool.h"
 #include "torchrpc/rpc/errors.h"
 #include "torchrpc/rpc/request_cancellation.h"
@@ -29,6 +30,7 @@ namespace rpc {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using WorkerLostCallback = Agent::WorkerLostCallback;
 
 // The device map towards `peer`, or nullptr for CPU only.
 const DeviceMap* mapFor(
@@ -64,6 +66,12 @@ struct AgentConnection {
   std::shared_ptr<Connection> connection;
   bool outgoing = false;
   int64_t peer = -1; // known for outgoing connections only
+  // Incoming connections: the worker their first request came from, as it
+  // claims (probed when the connection fails; Note [Lost workers]).
+  std::atomic<int64_t> claimedPeer{-1};
+  // The agent closed it (a peer that misbehaved, or shutdown): its failure
+  // says nothing of the peer's health.
+  std::atomic<bool> closedByUs{false};
   // Incoming connections only: requests their callers gave up on.
   detail::CancelledRequests cancelled;
 };
@@ -266,6 +274,15 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
                         : "the runtime has not started"));
       return future;
     }
+    if (auto cause = lost_.causeOf(peer->id)) {
+      future->setError(makeRpcError(
+          ErrorCode::kWorkerUnavailable,
+          peer->name,
+          request.what,
+          0,
+          "the worker was lost: " + *cause));
+      return future;
+    }
     uint64_t id = nextMessageId_.fetch_add(1);
     Message message;
     // Errors raised before the message exists carry message id 0: nothing
@@ -449,6 +466,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     LOG(WARNING) << self_.name << ": closing connection from "
                  << conn->connection->describe()
                  << ": message header does not decode: " << reason;
+    conn->closedByUs = true;
     conn->connection->close();
   }
 
@@ -473,6 +491,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     if (conn->outgoing) {
       // Our outgoing connections carry responses only.
       malformedMessages_.fetch_add(1);
+      conn->closedByUs = true;
       conn->connection->close();
       return;
     }
@@ -497,6 +516,18 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
           what,
           "request from unknown worker id " +
               std::to_string(envelope.from_worker()));
+      return;
+    }
+    int64_t unknown = -1;
+    conn->claimedPeer.compare_exchange_strong(unknown, from->id);
+    if (auto cause = lost_.causeOf(from->id)) {
+      replyError(
+          conn,
+          envelope,
+          ErrorCode::kWorkerUnavailable,
+          what,
+          "'" + self_.name + "' lost '" + from->name +
+              "' earlier and no longer serves it (" + *cause + ")");
       return;
     }
     if (handler == handlers_.end()) {
@@ -605,6 +636,65 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
           closed_ ? "the runtime of '" + self_.name + "' shut down"
                   : "connection lost: " + error.detail));
     }
+    if (closed_ || conn->closedByUs ||
+        error.code != ErrorCode::kWorkerUnavailable) {
+      return;
+    }
+    if (conn->outgoing) {
+      workerLost(conn->peer, error.detail);
+    } else if (conn->claimedPeer >= 0) {
+      probe(conn->claimedPeer);
+    }
+  }
+
+  // ---- lost workers (Note [Lost workers]) --------------------------------
+
+  void onWorkerLost(WorkerLostCallback callback) {
+    std::lock_guard<std::mutex> guard(lostCallbacksMutex_);
+    lostCallbacks_.push_back(std::move(callback));
+  }
+
+  std::optional<std::string> lostCause(int64_t id) const {
+    return lost_.causeOf(id);
+  }
+
+  std::map<int64_t, std::string> lostWorkers() const {
+    return lost_.all();
+  }
+
+  void probe(int64_t id) {
+    if (closed_ || !workersReady_ || id == self_.id || id < 0 ||
+        id >= static_cast<int64_t>(workers_.size()) ||
+        lost_.causeOf(id).has_value()) {
+      return;
+    }
+    outgoingConnection(workers_[id]);
+  }
+
+  void workerLost(int64_t id, const std::string& cause) {
+    if (id < 0 || id >= static_cast<int64_t>(workers_.size()) ||
+        !lost_.add(id, cause)) {
+      return;
+    }
+    if (refusingCalls_) {
+      return; // shutting down: recorded for the barriers only
+    }
+    const WorkerInfo& worker = workers_[id];
+    LOG(WARNING) << self_.name << ": lost worker '" << worker.name << "' (id "
+                 << id << "): " << cause;
+    std::vector<WorkerLostCallback> callbacks;
+    {
+      std::lock_guard<std::mutex> guard(lostCallbacksMutex_);
+      callbacks = lostCallbacks_;
+    }
+    for (const auto& callback : callbacks) {
+      try {
+        callback(worker, cause);
+      } catch (const std::exception& e) {
+        LOG(WARNING) << self_.name << ": a callback for the loss of '"
+                     << worker.name << "' threw: " << describeException(e);
+      }
+    }
   }
 
   // ---- shutdown ----------------------------------------------------------
@@ -638,6 +728,9 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       }
       connections.swap(connections_);
       outgoing_.clear();
+    }
+    for (const auto& conn : connections) {
+      conn->closedByUs = true;
     }
     workersReadyCv_.notify_all();
     Completing completing(*this, failed.size());
@@ -1028,6 +1121,10 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
   std::atomic<bool> closed_{false};
   std::atomic<ErrorCode> closeCode_{ErrorCode::kShuttingDown};
 
+  detail::LostWorkers lost_;
+  std::mutex lostCallbacksMutex_;
+  std::vector<WorkerLostCallback> lostCallbacks_;
+
   detail::SpinningThreadPool pool_;
   boost::asio::io_context timerContext_;
   boost::asio::executor_work_guard<boost::asio::io_context::executor_type>
@@ -1131,6 +1228,22 @@ AgentCounters Agent::counters() const {
 
 c10::TaskThreadPoolBase& Agent::threadPool() {
   return impl_->threadPool();
+}
+
+void Agent::onWorkerLost(WorkerLostCallback callback) {
+  impl_->onWorkerLost(std::move(callback));
+}
+
+std::optional<std::string> Agent::lostCause(int64_t id) const {
+  return impl_->lostCause(id);
+}
+
+std::map<int64_t, std::string> Agent::lostWorkers() const {
+  return impl_->lostWorkers();
+}
+
+void Agent::probe(int64_t id) {
+  impl_->probe(id);
 }
 
 } // namespace rpc

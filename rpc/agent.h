@@ -7,6 +7,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -126,6 +127,21 @@ class Agent {
 
   // The pool that runs handlers; upper layers may run their work on it.
   c10::TaskThreadPoolBase& threadPool();
+
+  // ---- lost workers (Note [Lost workers] in rpc/detail/lost_workers.h) ----
+
+  using WorkerLostCallback =
+      std::function<void(const WorkerInfo& worker, const std::string& cause)>;
+  // Runs `callback` once for every worker lost from now on, on the pool,
+  // unless the agent is shutting down. No lock is held meanwhile.
+  void onWorkerLost(WorkerLostCallback callback);
+  // Why worker `id` was lost, or nullopt if it was not.
+  std::optional<std::string> lostCause(int64_t id) const;
+  // Every lost worker's id and cause.
+  std::map<int64_t, std::string> lostWorkers() const;
+  // Opens a connection to worker `id` unless there is one, so that its
+  // death is found even if no call would go there. Never blocks.
+  void probe(int64_t id);
 
  private:
   std::shared_ptr<class AgentImpl> impl_;

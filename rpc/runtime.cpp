@@ -129,6 +129,33 @@ Runtime::Runtime(std::string name, Options options)
       options_,
       makeTransport(self_.name, options_));
   registerCallHandler();
+  // First, so that the layers have let go of a lost worker before the
+  // application hears of it. layers_ is fixed once the agent serves.
+  agent_->onWorkerLost(
+      [this](const WorkerInfo& worker, const std::string& cause) {
+        for (const auto& layer : layers_) {
+          try {
+            layer->workerLost(worker, cause);
+          } catch (const std::exception& e) {
+            LOG(WARNING) << self_.name << ": layer '" << layer->name()
+                         << "' failed to drop lost worker '" << worker.name
+                         << "': " << describeException(e);
+          }
+        }
+      });
+}
+
+void Runtime::onWorkerLost(Agent::WorkerLostCallback callback) {
+  TORCH_CHECK(callback, "onWorkerLost() needs a callback");
+  agent_->onWorkerLost(std::move(callback));
+}
+
+std::vector<Runtime::LostWorker> Runtime::lostWorkers() const {
+  std::vector<LostWorker> out;
+  for (const auto& entry : agent_->lostWorkers()) {
+    out.push_back(LostWorker{agent_->workers().at(entry.first), entry.second});
+  }
+  return out;
 }
 
 Runtime::~Runtime() {
@@ -254,18 +281,25 @@ bool Runtime::shutdown(bool graceful) {
     //    RRefs); barrier "released": every layer's messages were answered.
     // 4. Refuse new calls, barrier "closing", then leave: rank 0 may host
     //    the store and must not go before the others are done with it.
+    // Lost workers (Note [Lost workers]) are not waited for; the barriers
+    // probe the ranks they still wait for, so a worker that never talked
+    // to a dead one finds out too.
     auto deadline = Clock::now() + options_.shutdownTimeout;
     auto& rendezvous = *store_->rendezvous;
+    detail::Rendezvous::IsLost isLost = [this](int64_t rank) {
+      agent_->probe(rank);
+      return agent_->lostCause(rank).has_value();
+    };
     clean = agent_->waitForNoPendingCalls(deadline) &&
-        rendezvous.barrier("shutdown/drained", deadline);
+        rendezvous.barrier("shutdown/drained", deadline, isLost);
     for (const auto& layer : layers_) {
       clean = clean && layer->release(deadline);
     }
-    clean = clean && rendezvous.barrier("shutdown/released", deadline);
+    clean = clean && rendezvous.barrier("shutdown/released", deadline, isLost);
     agent_->refuseNewCalls();
     clean = clean && agent_->waitForNoPendingCalls(deadline) &&
-        rendezvous.barrier("shutdown/closing", deadline) &&
-        rendezvous.leave(deadline);
+        rendezvous.barrier("shutdown/closing", deadline, isLost) &&
+        rendezvous.leave(deadline, isLost);
     if (!clean) {
       LOG(WARNING) << self_.name
                    << ": graceful shutdown did not complete within "

@@ -185,6 +185,20 @@ class Runtime {
   // Idempotent.
   bool shutdown(bool graceful = true);
 
+  // Lost workers: peers this worker found dead or hung (Note [Lost workers]
+  // in rpc/detail/lost_workers.h). Losing is final: calls to a lost worker
+  // fail at once with kWorkerUnavailable naming the cause. `callback(worker,
+  // cause)` runs once per worker lost from now on, on the runtime's thread
+  // pool, after every layer has dropped what the worker held; not during
+  // shutdown. Callbacks may be added at any time; lostWorkers() lists the
+  // losses before.
+  void onWorkerLost(Agent::WorkerLostCallback callback);
+  struct LostWorker {
+    WorkerInfo worker;
+    std::string cause;
+  };
+  std::vector<LostWorker> lostWorkers() const;
+
   bool running() const {
     return state_ == State::kRunning;
   }

@@ -3,6 +3,8 @@
 #include <chrono>
 #include <string>
 
+#include "torchrpc/rpc/worker_info.h"
+
 namespace torchrpc {
 namespace rpc {
 
@@ -26,6 +28,14 @@ class RuntimeLayer {
   virtual bool release(std::chrono::steady_clock::time_point deadline) {
     return true;
   }
+
+  // `worker` was lost (Note [Lost workers] in rpc/detail/lost_workers.h):
+  // drop what it held here and what this worker holds there, and fail what
+  // waits for it. Runs once per lost worker, on the agent's pool, before the
+  // application's callbacks; not during shutdown.
+  virtual void workerLost(
+      const WorkerInfo& /*worker*/,
+      const std::string& /*cause*/) {}
 
   // After the agent has closed and joined (on both shutdown paths): drop
   // every table. The layer must not use the agent from now on; the agent

@@ -201,6 +201,61 @@ bool RRefContext::release(std::chrono::steady_clock::time_point deadline) {
   return done;
 }
 
+void RRefContext::workerLost(
+    const rpc::WorkerInfo& worker,
+    const std::string& /*cause*/) {
+  // G6.
+  std::vector<std::shared_ptr<OwnerRecord>> dropped;
+  std::vector<ForkId> childrenGone;
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    if (closed_) {
+      return;
+    }
+    // Owner side: the forks it held.
+    std::vector<std::shared_ptr<OwnerRecord>> records;
+    for (const auto& entry : owned_) {
+      records.push_back(entry.second);
+    }
+    for (const auto& record : records) {
+      size_t before = record->forks.size();
+      for (auto it = record->forks.begin(); it != record->forks.end();) {
+        it = it->second == worker.id ? record->forks.erase(it) : std::next(it);
+      }
+      if (record->forks.size() != before) {
+        maybeDropRecordLocked(record, &dropped);
+      }
+    }
+    // User side: forks of RRefs it owned cannot be given back.
+    for (auto it = userForks_.begin(); it != userForks_.end();) {
+      const auto& fork = it->second;
+      if (fork->owner != worker.id) {
+        ++it;
+        continue;
+      }
+      fork->deleting = true;
+      if (!fork->confirmed) {
+        --pendingConfirmations_;
+      }
+      it = userForks_.erase(it);
+    }
+    deletions_.erase(worker.id);
+    if (userForks_.empty()) {
+      forksGone_.notify_all();
+    }
+    // Forks handed to it: it will never announce them.
+    for (const auto& entry : pendingChildren_) {
+      if (entry.second.to == worker.id) {
+        childrenGone.push_back(entry.first);
+      }
+    }
+  }
+  for (const auto& child : childrenGone) {
+    childAccepted(child);
+  }
+  // `dropped` (and maybe values) are freed here, outside the lock.
+}
+
 void RRefContext::closed() {
   decltype(owned_) owned;
   decltype(userForks_) userForks;

@@ -83,12 +83,22 @@ namespace rref {
 //  G5. Graceful shutdown gives back every fork and ends with every table
 //      empty on every worker; a user's handle used afterwards fails with
 //      kShuttingDown (an owner's handle still holds its value).
+//  G6. A lost worker (Note [Lost workers] in rpc/detail/lost_workers.h)
+//      gives nothing back, so the others take it back for it: an owner
+//      drops the forks the lost worker held (R5 then frees the value), a
+//      user drops the forks a lost owner had (their uses fail with
+//      kWorkerUnavailable) and counts the forks it handed to the lost
+//      worker as accepted (R4 may then delete its own).
 //
 // Limits: if a message that carries a reference is lost (its call fails
 // before delivery), its parent keeps its fork until shutdown: a bounded
 // leak, never an early free (G1 before G2). A kFetch naming an RRef that is
 // never created leaves an empty pending record until shutdown. Tombstones
-// are capped (kMaxTombstones); the oldest go first.
+// are capped (kMaxTombstones); the oldest go first. A fork that a lost
+// worker handed on shortly before it died is only safe if the receiver's
+// kForkNotify reaches the owner before the owner learns of the loss;
+// otherwise the owner may free the value first and the receiver's uses of
+// it wait for their timeout.
 
 namespace detail {
 class RRefHandle;
@@ -186,6 +196,8 @@ class RRefContext : public rpc::RuntimeLayer,
   // ---- RuntimeLayer ---------------------------------------------------
   std::string name() const override;
   bool release(std::chrono::steady_clock::time_point deadline) override;
+  void workerLost(const rpc::WorkerInfo& worker, const std::string& cause)
+      override;
   void closed() override;
 
   // Called by a user handle's destructor.
@@ -295,9 +307,13 @@ class RRefContext : public rpc::RuntimeLayer,
   // User table: forks held here, until their deletion is acknowledged.
   std::unordered_map<ForkId, std::shared_ptr<detail::UserFork>, GlobalIdHash>
       userForks_;
-  // Pending children: fork handed on -> the fork held here it came from.
-  std::unordered_map<ForkId, std::shared_ptr<detail::UserFork>, GlobalIdHash>
-      pendingChildren_;
+  // Pending children: fork handed on -> the fork held here it came from,
+  // and the worker it went to.
+  struct PendingChild {
+    std::shared_ptr<detail::UserFork> parent;
+    int64_t to = -1;
+  };
+  std::unordered_map<ForkId, PendingChild, GlobalIdHash> pendingChildren_;
   size_t pendingConfirmations_ = 0;
   // Deletions per owner (see sendDelete).
   struct DeletionQueue {

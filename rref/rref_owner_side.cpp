@@ -36,7 +36,7 @@ FuturePtr RRefContext::onRemote(rpc::Request&& request) {
     record->creating = true;
     gaveUp = takeTombstoneLocked(rref, fork);
     if (!gaveUp) {
-      record->forks.insert(fork);
+      record->forks.emplace(fork, request.from.id);
       if (message.has_receiver()) {
         receiver = recordLocked(reader.id(message.receiver()));
       }
@@ -121,7 +121,7 @@ FuturePtr RRefContext::onForkNotify(rpc::Request&& request) {
     // A tombstone: the holder already gave the fork up (after its notify
     // timed out); registering it now would leak.
     if (!takeTombstoneLocked(rref, fork)) {
-      recordLocked(rref)->forks.insert(fork);
+      recordLocked(rref)->forks.emplace(fork, request.from.id);
     }
   }
   // R2, R7: the parent hears of it before the notify is answered.

@@ -461,7 +461,7 @@ void RRefContext::childAccepted(const ForkId& child) {
     if (it == pendingChildren_.end()) {
       return;
     }
-    parent = std::move(it->second);
+    parent = std::move(it->second.parent);
     pendingChildren_.erase(it);
     --parent->pendingChildren;
   }

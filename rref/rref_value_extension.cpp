@@ -45,7 +45,7 @@ void RRefContext::encodeRRef(
     // R1: registered before it leaves.
     const auto& record = handle->record();
     std::lock_guard<std::mutex> guard(mutex_);
-    record->forks.insert(fork);
+    record->forks.emplace(fork, toWorker);
     if (!record->inTable) {
       record->inTable = true;
       owned_.emplace(record->id, record);
@@ -64,7 +64,7 @@ void RRefContext::encodeRRef(
     // R1: the parent's fork stays until the owner registered this one.
     std::lock_guard<std::mutex> guard(mutex_);
     ++parent->pendingChildren;
-    pendingChildren_.emplace(fork, parent);
+    pendingChildren_.emplace(fork, PendingChild{parent, toWorker});
   }
   wire::RRefValue message;
   toWire(handle->id(), message.mutable_rref());

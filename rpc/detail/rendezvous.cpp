@@ -420,7 +420,10 @@ JobLayout Rendezvous::join(
   return layout;
 }
 
-bool Rendezvous::barrier(const std::string& phase, Clock::time_point deadline) {
+bool Rendezvous::barrier(
+    const std::string& phase,
+    Clock::time_point deadline,
+    const IsLost& isLost) {
   std::vector<std::string> keys;
   for (int64_t rank = 0; rank < worldSize_; ++rank) {
     keys.push_back(key(phase + "/" + std::to_string(rank)));
@@ -432,10 +435,10 @@ bool Rendezvous::barrier(const std::string& phase, Clock::time_point deadline) {
   } catch (const std::exception&) {
     return false;
   }
-  return waitForKeys(keys, deadline);
+  return waitForLiveRanks(keys, 0, deadline, isLost);
 }
 
-bool Rendezvous::leave(Clock::time_point deadline) {
+bool Rendezvous::leave(Clock::time_point deadline, const IsLost& isLost) {
   if (rank_ != 0) {
     // Rank 0 closes the store once every "left" key is there, possibly
     // before this set's reply is on its way: a store gone by now has seen
@@ -451,7 +454,41 @@ bool Rendezvous::leave(Clock::time_point deadline) {
   for (int64_t rank = 1; rank < worldSize_; ++rank) {
     keys.push_back(key("left/" + std::to_string(rank)));
   }
-  return keys.empty() || waitForKeys(keys, deadline);
+  return keys.empty() || waitForLiveRanks(keys, 1, deadline, isLost);
+}
+
+bool Rendezvous::waitForLiveRanks(
+    const std::vector<std::string>& keys,
+    int64_t firstRank,
+    Clock::time_point deadline,
+    const IsLost& isLost) {
+  if (!isLost) {
+    return waitForKeys(keys, deadline);
+  }
+  // Waits in slices; after each, only for the ranks still missing that are
+  // not lost (asking probes them, so only those are asked).
+  constexpr auto kSlice = std::chrono::milliseconds(250);
+  std::vector<std::string> live = keys;
+  while (true) {
+    if (live.empty() ||
+        waitForKeys(live, std::min(deadline, Clock::now() + kSlice))) {
+      return true;
+    }
+    if (Clock::now() >= deadline) {
+      return false;
+    }
+    live.clear();
+    for (size_t i = 0; i < keys.size(); ++i) {
+      int64_t rank = firstRank + static_cast<int64_t>(i);
+      try {
+        if (rank != rank_ && !store_->check({keys[i]}) && !isLost(rank)) {
+          live.push_back(keys[i]);
+        }
+      } catch (const std::exception&) {
+        return false; // the store is gone
+      }
+    }
+  }
 }
 
 } // namespace detail

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -73,22 +74,37 @@ class Rendezvous {
       const std::string& address,
       const std::map<std::string, DeviceMap>& deviceMaps);
 
-  // A barrier named `phase`: returns true once every rank arrived, false at
-  // the deadline (it never throws).
+  // Whether a rank is lost (Note [Lost workers]); asked again while a
+  // barrier waits, so it may probe the ranks it is asked about.
+  using IsLost = std::function<bool(int64_t rank)>;
+
+  // A barrier named `phase`: returns true once every rank arrived that is
+  // not lost, false at the deadline (it never throws).
   bool barrier(
       const std::string& phase,
-      std::chrono::steady_clock::time_point deadline);
+      std::chrono::steady_clock::time_point deadline,
+      const IsLost& isLost = nullptr);
 
   // The last step of a graceful shutdown: every rank but 0 says it is done
   // with the store; rank 0, which may host the store, waits for all of them
-  // (until the deadline) so that nobody loses the store mid-read.
-  bool leave(std::chrono::steady_clock::time_point deadline);
+  // that are not lost (until the deadline) so that nobody loses the store
+  // mid-read.
+  bool leave(
+      std::chrono::steady_clock::time_point deadline,
+      const IsLost& isLost = nullptr);
 
  private:
   std::string key(const std::string& suffix) const;
   bool waitForKeys(
       const std::vector<std::string>& keys,
       std::chrono::steady_clock::time_point deadline);
+  // Waits until keys[rank] exists for every rank (an index into `keys`
+  // plus `firstRank`) that isLost does not report lost.
+  bool waitForLiveRanks(
+      const std::vector<std::string>& keys,
+      int64_t firstRank,
+      std::chrono::steady_clock::time_point deadline,
+      const IsLost& isLost);
   // The ranks whose key in `keys` (indexed by rank) is not in the store.
   std::vector<int64_t> missingRanks(const std::vector<std::string>& keys);
 

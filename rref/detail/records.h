@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdint>
 #include <mutex>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "torchrpc/rref/rref_id.h"
@@ -41,8 +42,9 @@ struct OwnerRecord {
     replaced = std::move(ready);
   }
 
-  // Guarded by the context's mutex.
-  std::unordered_set<ForkId, GlobalIdHash> forks;
+  // Guarded by the context's mutex. Fork -> the worker holding it (the
+  // forks of a lost worker go; RRefContext::workerLost).
+  std::unordered_map<ForkId, int64_t, GlobalIdHash> forks;
   // Creation has started (a kRemote arrived, or the value is local).
   bool creating = false;
   bool inTable = false;
