@@ -72,6 +72,10 @@ struct AgentConnection {
   // The agent closed it (a peer that misbehaved, or shutdown): its failure
   // says nothing of the peer's health.
   std::atomic<bool> closedByUs{false};
+  // Note [Agent heartbeats]: when a message last arrived (steady clock,
+  // nanoseconds), and whether the agent closed it for the silence.
+  std::atomic<int64_t> lastHeardNs{0};
+  std::atomic<bool> silent{false};
   // Incoming connections only: requests their callers gave up on.
   detail::CancelledRequests cancelled;
 };
@@ -98,6 +102,18 @@ struct PendingCall {
 // the transport thread, since the only thing waiting is the caller's wait().
 // Cancel messages are handled on the transport thread too (Note [Cancelled
 // requests]).
+
+// Note [Agent heartbeats]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// A hung peer (a stopped process: sockets open, nothing answering) is found
+// only by its silence. TcpTransport has heartbeats of its own; for the
+// transports that have none (TensorPipe, in-process) the agent sends a
+// kHeartbeatMessageKind request on each outgoing connection every
+// heartbeatInterval, which the peer answers on its transport thread, and
+// closes an outgoing connection on which nothing arrived for peerTimeout,
+// with a cause naming the silence; the peer is then lost (Note [Lost
+// workers]). Everything runs on the timer thread: no pool thread, no lock
+// while sending, one clock read per message received.
 
 // Note [Cancelled requests]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -134,7 +150,12 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
             std::max<size_t>(1, options.numWorkerThreads),
             options.spinAfterWork),
         timerWork_(boost::asio::make_work_guard(timerContext_)),
-        timer_(timerContext_) {
+        timer_(timerContext_),
+        heartbeatTimer_(timerContext_),
+        agentHeartbeats_(
+            !transport_->detectsSilentPeers() &&
+            options.peerTimeout.count() > 0 &&
+            options.heartbeatInterval.count() > 0) {
     timerThread_ = std::thread([this]() { timerContext_.run(); });
     transport_->watchAwaitedReplies(awaitedReplies_);
   }
@@ -160,10 +181,10 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     TORCH_CHECK(!listening_, "handlers must be registered before start()");
     TORCH_CHECK(h, "handler for message kind ", kind, " is empty");
     TORCH_CHECK(
-        kind != kCancelMessageKind,
+        kind != kCancelMessageKind && kind != kHeartbeatMessageKind,
         "message kind ",
         kind,
-        " is the agent's own (cancel)");
+        " is the agent's own (cancel, heartbeat)");
     bool inserted = handlers_
                         .emplace(
                             kind,
@@ -227,6 +248,9 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       workersReady_ = true;
     }
     workersReadyCv_.notify_all();
+    if (agentHeartbeats_) {
+      boost::asio::post(timerContext_, [this]() { armHeartbeat(); });
+    }
   }
 
   const std::vector<WorkerInfo>& workers() const {
@@ -407,6 +431,11 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
   void onMessageFromTransport(
       const std::shared_ptr<AgentConnection>& conn,
       Message&& message) {
+    if (agentHeartbeats_) {
+      conn->lastHeardNs.store(
+          Clock::now().time_since_epoch().count(),
+          std::memory_order_relaxed);
+    }
     auto envelope = std::make_shared<wire::Envelope>();
     try {
       codec_.parse(message.header, envelope.get());
@@ -417,6 +446,15 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
           self->onUndecodableMessage(conn, reason);
         }
       });
+      return;
+    }
+    if (envelope->kind() == kHeartbeatMessageKind) {
+      // Note [Agent heartbeats]: arriving was the point; answer requests.
+      if (!envelope->is_response() && !conn->outgoing) {
+        conn->connection->send(
+            codec_.encodeHeartbeat(/*isResponse=*/true),
+            [](const TransportError*) {});
+      }
       return;
     }
     if (envelope->is_response() &&
@@ -627,6 +665,10 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     if (code == ErrorCode::kMalformedMessage) {
       malformedMessages_.fetch_add(1);
     }
+    std::string cause = conn->silent
+        ? "no message, not even a heartbeat, for " +
+            std::to_string(options_.peerTimeout.count()) + " ms"
+        : error.detail;
     for (size_t i = 0; i < failed.size(); ++i) {
       failed[i].future->setErrorIfNeeded(makeRpcError(
           code,
@@ -634,14 +676,14 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
           failed[i].what,
           failedIds[i],
           closed_ ? "the runtime of '" + self_.name + "' shut down"
-                  : "connection lost: " + error.detail));
+                  : "connection lost: " + cause));
     }
     if (closed_ || conn->closedByUs ||
         error.code != ErrorCode::kWorkerUnavailable) {
       return;
     }
     if (conn->outgoing) {
-      workerLost(conn->peer, error.detail);
+      workerLost(conn->peer, cause);
     } else if (conn->claimedPeer >= 0) {
       probe(conn->claimedPeer);
     }
@@ -1063,6 +1105,53 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
   // Tells the callee that nobody waits for call `id` any more (Note
   // [Cancelled requests]). Best effort: if it is lost, the deadline the
   // request carries still holds.
+  // ---- agent heartbeats (Note [Agent heartbeats]) ------------------------
+
+  // On the timer thread.
+  void armHeartbeat() {
+    if (closed_) {
+      return;
+    }
+    heartbeatTimer_.expires_after(options_.heartbeatInterval);
+    std::weak_ptr<AgentImpl> weak = shared_from_this();
+    heartbeatTimer_.async_wait([weak](const boost::system::error_code& ec) {
+      if (ec) {
+        return;
+      }
+      if (auto self = weak.lock()) {
+        self->heartbeat();
+        self->armHeartbeat();
+      }
+    });
+  }
+
+  void heartbeat() {
+    std::vector<std::shared_ptr<AgentConnection>> outgoing;
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      for (const auto& entry : outgoing_) {
+        outgoing.push_back(entry.second);
+      }
+    }
+    const int64_t now = Clock::now().time_since_epoch().count();
+    const int64_t limit =
+        std::chrono::nanoseconds(options_.peerTimeout).count();
+    for (const auto& conn : outgoing) {
+      int64_t heard = conn->lastHeardNs.load(std::memory_order_relaxed);
+      if (heard != 0 && now - heard > limit) {
+        conn->silent = true;
+        conn->connection->close();
+        continue;
+      }
+      if (heard == 0) {
+        conn->lastHeardNs.store(now, std::memory_order_relaxed);
+      }
+      conn->connection->send(
+          codec_.encodeHeartbeat(/*isResponse=*/false),
+          [](const TransportError*) {});
+    }
+  }
+
   void sendCancel(const PendingCall& call, uint64_t id) {
     Message message;
     try {
@@ -1130,6 +1219,9 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
   boost::asio::executor_work_guard<boost::asio::io_context::executor_type>
       timerWork_;
   boost::asio::steady_timer timer_;
+  boost::asio::steady_timer heartbeatTimer_;
+  // Note [Agent heartbeats]: whether this agent sends them.
+  const bool agentHeartbeats_;
   std::thread timerThread_;
 };
 

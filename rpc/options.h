@@ -112,9 +112,10 @@ struct Options {
   // check it: a Runtime for either refuses to start with a secret (c10::Error
   // naming this option and the transport) rather than ignore it.
   std::string sharedSecret;
-  // kTcp only. Idle connections carry a heartbeat this often; a peer from
-  // which nothing arrived for peerTimeout is declared dead and the calls
-  // waiting on it fail with kWorkerUnavailable.
+  // Idle connections carry a heartbeat this often (kTcp's own, the agent's
+  // on other transports); a peer from which nothing arrived for
+  // peerTimeout is lost (Note [Lost workers]) and the calls waiting on it
+  // fail with kWorkerUnavailable.
   std::chrono::milliseconds heartbeatInterval{std::chrono::seconds(1)};
   std::chrono::milliseconds peerTimeout{std::chrono::seconds(4)};
   // kTcp only. After a message goes out or comes in, the transport's io

@@ -27,6 +27,11 @@ constexpr uint32_t kCallMessageKind = 1;
 // that it overtakes requests queued behind busy handlers; no handler may be
 // registered for it. See Cancellation.
 constexpr uint32_t kCancelMessageKind = 2;
+// Agent-level heartbeats, for transports that have none of their own (Note
+// [Agent heartbeats] in agent.cpp): a request on an idle outgoing
+// connection, answered at once on the transport thread. No handler may be
+// registered for it.
+constexpr uint32_t kHeartbeatMessageKind = 3;
 
 // An incoming request, as a handler sees it.
 struct Request {

@@ -111,6 +111,12 @@ class Transport {
   // before listen().
   virtual void watchAwaitedReplies(
       std::shared_ptr<const std::atomic<int64_t>> /*count*/) {}
+
+  // Whether the transport itself fails a connection whose peer has gone
+  // silent (heartbeats). The agent sends its own for those that do not.
+  virtual bool detectsSilentPeers() const {
+    return false;
+  }
 };
 
 } // namespace rpc

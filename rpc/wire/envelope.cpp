@@ -143,6 +143,14 @@ Message MessageCodec::encodeCancel(
   return message;
 }
 
+Message MessageCodec::encodeHeartbeat(bool isResponse) const {
+  wire::Envelope envelope;
+  startEnvelope(envelope, 0, kHeartbeatMessageKind, isResponse);
+  Message message;
+  message.header = envelope.SerializeAsString();
+  return message;
+}
+
 Message MessageCodec::encodeError(
     uint64_t id,
     uint32_t kind,

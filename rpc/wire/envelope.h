@@ -131,6 +131,9 @@ class MessageCodec {
   // `timeout` (kCancelMessageKind; Note [Cancelled requests] in agent.cpp).
   Message encodeCancel(uint64_t id, std::chrono::milliseconds timeout) const;
 
+  // An agent heartbeat (kHeartbeatMessageKind), or its answer.
+  Message encodeHeartbeat(bool isResponse) const;
+
   // A response carrying only an error status.
   Message encodeError(
       uint64_t id,

@@ -166,9 +166,13 @@ void sendByte(int fd) {
   (void)!::write(fd, &byte, 1);
 }
 
-// A hung process (SIGSTOP) keeps its sockets open: only heartbeats find
-// it. Once lost, it stays lost: after SIGCONT its own calls are refused.
-TEST(
+class WorkerLostMultiProcess
+    : public ::testing::TestWithParam<rpc::TransportKind> {};
+
+// A hung process (SIGSTOP) keeps its sockets open: only heartbeats find it
+// (TcpTransport's own; the agent's for TensorPipe, Note [Agent
+// heartbeats]). Once lost, it stays lost: after SIGCONT its calls fail.
+TEST_P(
     WorkerLostMultiProcess,
     AStoppedWorkerIsLostWithinThePeerTimeoutAndStaysLost) {
   auto path = freshStorePath("lost");
@@ -178,7 +182,7 @@ TEST(
   ASSERT_EQ(::pipe(resumed), 0);
   ASSERT_EQ(::pipe(refused), 0);
   auto options = [&](int rank) {
-    auto o = childWorkerOptions(rank, 2, path, rpc::TransportKind::kTcp);
+    auto o = childWorkerOptions(rank, 2, path, GetParam());
     o.heartbeatInterval = 200ms;
     o.peerTimeout = 1000ms;
     o.shutdownTimeout = 20s;
@@ -244,6 +248,14 @@ TEST(
   std::remove(path.c_str());
 }
 
+INSTANTIATE_TEST_SUITE_P(
+    Transports,
+    WorkerLostMultiProcess,
+    ::testing::Values(
+        rpc::TransportKind::kTensorPipe,
+        rpc::TransportKind::kTcp),
+    testing::transportParamName);
+
 int freePort() {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
@@ -260,7 +272,7 @@ int freePort() {
 // Rank 0 hosts torchrpc's rendezvous store; once it is gone nobody can
 // meet, and the survivor's graceful shutdown says so at once instead of
 // waiting out shutdownTimeout.
-TEST(WorkerLostMultiProcess, LosingRankZeroEndsTheOthersShutdownAtOnce) {
+TEST(WorkerLostRankZero, LosingRankZeroEndsTheOthersShutdownAtOnce) {
   const std::string initMethod =
       "tcp://127.0.0.1:" + std::to_string(freePort());
   int started[2], killed[2];

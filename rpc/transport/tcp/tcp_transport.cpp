@@ -94,6 +94,10 @@ bool parseHostPort(
 // TcpContext.
 class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
  public:
+  const TcpTransportOptions& options() const {
+    return context_->options;
+  }
+
   explicit TcpTransportImpl(TcpTransportOptions options)
       : context_(std::make_shared<TcpContext>(std::move(options))),
         work_(asio::make_work_guard(context_->io)) {
@@ -426,6 +430,10 @@ void TcpTransport::close() {
 void TcpTransport::watchAwaitedReplies(
     std::shared_ptr<const std::atomic<int64_t>> count) {
   impl_->watchAwaitedReplies(std::move(count));
+}
+
+bool TcpTransport::detectsSilentPeers() const {
+  return impl_->options().peerTimeout.count() > 0;
 }
 
 void TcpTransport::join() {

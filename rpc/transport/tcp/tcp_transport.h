@@ -93,6 +93,8 @@ class TcpTransport : public Transport {
   void join() override;
   void watchAwaitedReplies(
       std::shared_ptr<const std::atomic<int64_t>> count) override;
+  // Its heartbeats fail a connection silent for peerTimeout (if not zero).
+  bool detectsSilentPeers() const override;
 
  private:
   std::shared_ptr<tcp::TcpTransportImpl> impl_;
