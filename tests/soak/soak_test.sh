@@ -59,5 +59,5 @@ for rank in 0 1 2 3; do
   expect_match "^\[rank ${rank}\]: worker${rank} generation 1: soak passed$"
 done
 expect_match '^\[rank 0\]: worker0 generation 1: [0-9]+ plain calls across 4 workers, each answered exactly once$'
-grep -q 'FAIL' "${out}" && fail "a worker reported a failure"
+grep -q ': FAIL: ' "${out}" && fail "a worker reported a failure"
 echo "soak passed"

@@ -39,6 +39,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
+using torchrpc::soak::heapInUseKiB;
 using torchrpc::soak::residentKiB;
 
 struct Flags {
@@ -191,7 +192,8 @@ int main(int argc, char** argv) {
               << c.rrefsCreated << ", reads " << c.rrefReads << ", forks "
               << c.forks << ", drops " << c.drops << ", steps " << c.trainSteps
               << "; served " << state.ledger.totalServed()
-              << ") rss=" << mib(residentKiB()) << std::endl;
+              << ") rss=" << mib(residentKiB())
+              << " heap=" << mib(heapInUseKiB()) << std::endl;
   };
   auto tick = [&]() {
     auto now = Clock::now();
