@@ -252,9 +252,8 @@ int main(int argc, char** argv) {
          << 100 * growth << "%";
     std::cout << tag << ": " << line.str() << std::endl;
     if (growth >= flags.maxRssGrowth) {
-      problems.push_back(
-          line.str() + " (bound " + std::to_string(100 * flags.maxRssGrowth) +
-          "%)");
+      line << " (bound " << 100 * flags.maxRssGrowth << "%)";
+      problems.push_back(line.str());
     }
   }
 
