@@ -108,8 +108,8 @@ struct PendingCall {
 // A hung peer (a stopped process: sockets open, nothing answering) is found
 // only by its silence. TcpTransport has heartbeats of its own; for the
 // transports that have none (TensorPipe, in-process) the agent sends a
-// kHeartbeatMessageKind request on each outgoing connection every
-// heartbeatInterval, which the peer answers on its transport thread, and
+// kHeartbeatMessageKind request on each outgoing connection that was idle
+// for heartbeatInterval, which the peer answers on its transport thread, and
 // closes an outgoing connection on which nothing arrived for peerTimeout,
 // with a cause naming the silence; the peer is then lost (Note [Lost
 // workers]). Everything runs on the timer thread: no pool thread, no lock
@@ -1136,6 +1136,8 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     const int64_t now = Clock::now().time_since_epoch().count();
     const int64_t limit =
         std::chrono::nanoseconds(options_.peerTimeout).count();
+    const int64_t interval =
+        std::chrono::nanoseconds(options_.heartbeatInterval).count();
     for (const auto& conn : outgoing) {
       int64_t heard = conn->lastHeardNs.load(std::memory_order_relaxed);
       if (heard != 0 && now - heard > limit) {
@@ -1145,6 +1147,10 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       }
       if (heard == 0) {
         conn->lastHeardNs.store(now, std::memory_order_relaxed);
+      } else if (now - heard < interval / 2) {
+        // Busy: its traffic says the peer is alive. (Half: an idle
+        // connection's answer to the last ping is about one tick old.)
+        continue;
       }
       conn->connection->send(
           codec_.encodeHeartbeat(/*isResponse=*/false),

@@ -9,6 +9,7 @@
 #include <memory>
 #include <thread>
 
+#include "tests/support/eventually.h"
 #include "tests/support/local_cluster.h"
 #include "torchrpc/autograd/backward.h"
 #include "torchrpc/autograd/context.h"
@@ -21,18 +22,6 @@ namespace {
 
 using autograd::ContextContainer;
 using namespace std::chrono_literals;
-
-template <typename Done>
-bool eventually(Done done, std::chrono::milliseconds limit = 10s) {
-  auto deadline = std::chrono::steady_clock::now() + limit;
-  while (!done()) {
-    if (std::chrono::steady_clock::now() > deadline) {
-      return false;
-    }
-    std::this_thread::sleep_for(5ms);
-  }
-  return true;
-}
 
 class AutogradWorkerLost : public ::testing::TestWithParam<rpc::TransportKind> {
 };

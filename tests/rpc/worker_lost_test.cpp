@@ -210,7 +210,7 @@ TEST_P(
     log.attach(rt);
     rt.start();
     EXPECT_EQ(rt.rpcSync<int64_t>("victim", "echo", int64_t(4)), 4);
-    // The parent stops the victim after `started`.
+    sendByte(started[1]); // the parent stops the victim after both bytes
     ASSERT_TRUE(log.waitForOne(20s)) << "the stopped victim was never lost";
     auto entries = log.entries();
     ASSERT_EQ(entries.size(), 1u);
@@ -223,6 +223,7 @@ TEST_P(
     EXPECT_TRUE(rt.shutdown());
     EXPECT_LT(Clock::now() - start, 10s);
   });
+  ASSERT_TRUE(waitForByte(started[0], 30s)) << "the workers never started";
   ASSERT_TRUE(waitForByte(started[0], 30s)) << "the workers never started";
   auto stoppedAt = Clock::now();
   children.kill(victim, SIGSTOP);

@@ -8,6 +8,7 @@
 #include <future>
 #include <thread>
 
+#include "tests/support/eventually.h"
 #include "tests/support/rref_cluster.h"
 #include "torchrpc/rref/rref.h"
 
@@ -16,19 +17,6 @@ namespace testing {
 namespace {
 
 using namespace std::chrono_literals;
-
-// Waits (bounded) until `done` holds.
-template <typename Done>
-bool eventually(Done done, std::chrono::milliseconds limit = 10s) {
-  auto deadline = std::chrono::steady_clock::now() + limit;
-  while (!done()) {
-    if (std::chrono::steady_clock::now() > deadline) {
-      return false;
-    }
-    std::this_thread::sleep_for(5ms);
-  }
-  return true;
-}
 
 class RRefWorkerLost : public ::testing::TestWithParam<rpc::TransportKind> {};
 
