@@ -197,8 +197,17 @@ TEST_P(
     sendByte(started[1]);
     // Stopped here, then resumed.
     ASSERT_TRUE(waitForByte(resumed[0], 60s));
+    // The first call may still go out on the connection the survivor is
+    // closing (it fails as that connection does); from then on the
+    // survivor is lost here, or refuses this worker: either way, "lost".
+    try {
+      rt.rpcSync<int64_t>("survivor", "echo", int64_t(6));
+      ADD_FAILURE() << "a call to the survivor that lost this worker succeeded";
+    } catch (const rpc::RpcError& e) {
+      EXPECT_EQ(e.code(), rpc::ErrorCode::kWorkerUnavailable) << e.what();
+    }
     expectLostError(
-        [&] { rt.rpcSync<int64_t>("survivor", "echo", int64_t(6)); },
+        [&] { rt.rpcSync<int64_t>("survivor", "echo", int64_t(7)); },
         "survivor");
     sendByte(refused[1]);
     rt.shutdown(/*graceful=*/false);
