@@ -556,8 +556,10 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
               std::to_string(envelope.from_worker()));
       return;
     }
-    int64_t unknown = -1;
-    conn->claimedPeer.compare_exchange_strong(unknown, from->id);
+    if (conn->claimedPeer.load(std::memory_order_relaxed) < 0) {
+      int64_t unknown = -1; // a plain load first: most requests find it set
+      conn->claimedPeer.compare_exchange_strong(unknown, from->id);
+    }
     if (auto cause = lost_.causeOf(from->id)) {
       replyError(
           conn,
