@@ -35,7 +35,16 @@ TEST_P(RRefWorkerLost, TheOthersTakeBackWhatALostWorkerHeld) {
   ASSERT_EQ(c.context(0).counters().ownerRRefs, 1u);
   ASSERT_EQ(c.context(2).counters().userRRefs, 1u);
 
+  // The application hears of the loss after the layers let go of it.
+  std::promise<size_t> ownerRRefsWhenTold;
+  c[0].onWorkerLost([&](const rpc::WorkerInfo&, const std::string&) {
+    ownerRRefsWhenTold.set_value(c.context(0).counters().ownerRRefs);
+  });
+  auto told = ownerRRefsWhenTold.get_future();
+
   c[1].shutdown(/*graceful=*/false); // dies as a crash would
+  ASSERT_EQ(told.wait_for(10s), std::future_status::ready);
+  EXPECT_EQ(told.get(), 0u);
 
   // The owner frees the value worker1 held; worker2 drops its fork of a
   // value that is gone.
@@ -55,11 +64,9 @@ TEST_P(RRefWorkerLost, TheOthersTakeBackWhatALostWorkerHeld) {
         << e.what();
   }
   // The survivors give back everything else and end with empty tables.
-  // Concurrently, as separate processes would.
-  auto clean0 = std::async(std::launch::async, [&] { return c[0].shutdown(); });
-  auto clean2 = std::async(std::launch::async, [&] { return c[2].shutdown(); });
-  EXPECT_TRUE(clean0.get());
-  EXPECT_TRUE(clean2.get());
+  // Concurrently, as separate processes would (worker1's own shutdown
+  // already returned).
+  EXPECT_TRUE(c.shutdownAll());
   EXPECT_TRUE(allZero(c.context(0).leftAtClose()))
       << describeCounters(c.context(0).leftAtClose());
   EXPECT_TRUE(allZero(c.context(2).leftAtClose()))
