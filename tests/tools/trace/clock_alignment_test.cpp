@@ -70,6 +70,23 @@ TEST(ClockAlignment, PrefersTheLeastDelaySample) {
   EXPECT_EQ(result.pairs[0].samples, 4u);
 }
 
+// a-b only has a slow lopsided sample (200 us off); a-c and c-b quick
+// exact ones. The tree must go a-c-b, not take a-b because it came first.
+TEST(ClockAlignment, TheTreeTakesTheQuickestLinks) {
+  std::vector<double> truth = {0, 2e6, -1e6};
+  auto result = alignClocks(
+      kThree,
+      {exchange(truth, 0, 1, 100, 500, 100),
+       exchange(truth, 0, 2, 1000, 20, 20),
+       exchange(truth, 2, 1, 2000, 20, 20)});
+  EXPECT_TRUE(result.feasible);
+  EXPECT_NEAR(result.offsets[1], 2e6, 1e-6);
+  EXPECT_NEAR(result.offsets[2], -1e6, 1e-6);
+  EXPECT_FALSE(result.pairs[0].inTree); // a-b
+  EXPECT_TRUE(result.pairs[1].inTree); // a-c
+  EXPECT_TRUE(result.pairs[2].inTree); // b-c
+}
+
 TEST(ClockAlignment, AFeasibleEstimateIsNotMoved) {
   std::vector<double> truth = {0, 2e6, -1e6};
   // Lopsided but consistent: the estimate is off by (90 - 10) / 2 and

@@ -351,6 +351,57 @@ TEST(TraceMerge, WritesFlowArrowsBoundToTheirSpans) {
   EXPECT_EQ(replyArrows.count(oneWay.id), 0u);
 }
 
+// A request that takes no time, from a client span that opens exactly
+// at t_send to a server span already open: the start is nudged into the
+// client span, past the end's instant. chrome://tracing drops an arrow
+// whose end sorts before its start, so the end must follow.
+TEST(TraceMerge, AnArrowNeverEndsBeforeItStarts) {
+  SyntheticJob job;
+  job.addWorker("a", 0, 0);
+  job.addWorker("b", 1, 0);
+  const auto& c = job.call(0, 1, 100, 0, 50, 0);
+  auto traces = job.traces();
+  for (auto& e : traces[0].events) {
+    if (e.value("cat", "") == "rpc.client") {
+      e["dur"] =
+          e["ts"].get<double>() + e["dur"].get<double>() - job.local(0, c.send);
+      e["ts"] = job.local(0, c.send);
+    }
+  }
+  for (auto& e : traces[1].events) {
+    if (e.value("cat", "") == "rpc.server") {
+      e["ts"] = e["ts"].get<double>() - 10;
+      e["dur"] = e["dur"].get<double>() + 10;
+    }
+  }
+  // The spans are read again from the edited events.
+  std::vector<WorkerTrace> edited;
+  for (const auto& t : traces) {
+    json doc = {
+        {"traceEvents", t.events},
+        {"otherData",
+         {{"torchrpc_trace", 1}, {"worker", t.worker}, {"rank", t.rank}}}};
+    edited.push_back(parseWorkerTrace(doc.dump(), t.file));
+  }
+
+  MergeReport report = mergeTraces(std::move(edited));
+  ASSERT_TRUE(report.violations.empty());
+  std::map<std::uint64_t, double> starts;
+  std::size_t ends = 0;
+  for (const auto& e : report.merged["traceEvents"]) {
+    if (e["ph"] == "s") {
+      starts[e["id"]] = e["ts"];
+    }
+  }
+  for (const auto& e : report.merged["traceEvents"]) {
+    if (e["ph"] == "f") {
+      ++ends;
+      EXPECT_GE(e["ts"].get<double>(), starts.at(e["id"])) << e.dump();
+    }
+  }
+  EXPECT_EQ(ends, 2u);
+}
+
 TEST(TraceMerge, EachWorkerIsAProcessOnTheReferenceClock) {
   SyntheticJob job;
   job.addWorker("ps0", 0, 0);
@@ -358,8 +409,16 @@ TEST(TraceMerge, EachWorkerIsAProcessOnTheReferenceClock) {
   job.call(1, 0, 100, 40, 50, 40);
   job.call(0, 1, 1000, 40, 50, 40);
   job.instantAndCounter(1, 3000);
+  auto traces = job.traces();
+  // A writer that put its OS pid in: the merge still makes it rank 1.
+  for (auto& e : traces[1].events) {
+    e["pid"] = 31337;
+  }
 
-  MergeReport report = mergeTraces(job.traces());
+  MergeReport report = mergeTraces(std::move(traces));
+  for (const auto& e : report.merged["traceEvents"]) {
+    EXPECT_NE(e["pid"], 31337) << e.dump();
+  }
   std::map<int, std::string> processNames;
   for (const auto& e : report.merged["traceEvents"]) {
     if (e["ph"] == "M" && e["name"] == "process_name") {
