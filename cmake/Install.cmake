@@ -13,6 +13,7 @@
 #   lib/cmake/torchrpc/torchrpcConfig.cmake, ...ConfigVersion.cmake,
 #                      torchrpcTargets.cmake
 #   bin/torchrpc-launch                   the native launcher (tools/launcher/)
+#   bin/torchrpc-trace-merge              merges workers' traces (tools/trace/)
 #
 # Users write #include <torchrpc/torchrpc.h>; inside, headers include each
 # other as "torchrpc/rpc/errors.h", so every target carries include/.
@@ -79,6 +80,10 @@ install(
 # Not exported: a program, not something to link.
 if(TARGET torchrpc-launch)
   install(TARGETS torchrpc-launch RUNTIME DESTINATION "${CMAKE_INSTALL_BINDIR}")
+endif()
+if(TARGET torchrpc-trace-merge)
+  install(TARGETS torchrpc-trace-merge
+    RUNTIME DESTINATION "${CMAKE_INSTALL_BINDIR}")
 endif()
 
 install(

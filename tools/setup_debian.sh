@@ -34,6 +34,7 @@ packages=(
   libssl-dev           # OpenSSL, for the optional shared secret between peers
   iproute2             # ip/ss, for network tests and the launcher
   libcli11-dev         # command-line flags of torchrpc-launch and the examples
+  nlohmann-json3-dev   # JSON for torchrpc-trace-merge (tools/trace/), header-only
   libgloo-dev          # Gloo's headers, which c10d's ProcessGroupGloo.hpp
                        # includes (the DDP + RPC example)
   openmpi-bin          # mpirun, to test that workers run under Open MPI
