@@ -38,7 +38,8 @@ struct ChildResult {
 
 // Runs this test binary on `test` alone (a DISABLED_ one) in a new process
 // whose stdout and stderr go to a file, without GLOG_* variables so that glog's
-// defaults apply. Waits 30 s at most, then kills the child by pid.
+// defaults apply (nor gtest's sharding ones). Waits 30 s at most, then kills
+// the child by pid.
 ChildResult runThisBinaryOn(
     const std::string& test,
     std::string extraVariable = "") {
@@ -56,8 +57,17 @@ ChildResult runThisBinaryOn(
       alsoDisabled.data(),
       nullptr};
   std::vector<char*> envp;
+  // Nor gtest's sharding variables: when this binary runs as a shard
+  // (TORCHRPC_TEST_SHARDS), the child would run only its share of the one
+  // test it is given, i.e. possibly nothing.
+  auto inherited = [](const std::string& variable) {
+    return variable.rfind("GLOG_", 0) != 0 &&
+        variable.rfind("GTEST_SHARD_INDEX=", 0) != 0 &&
+        variable.rfind("GTEST_TOTAL_SHARDS=", 0) != 0 &&
+        variable.rfind("GTEST_SHARD_STATUS_FILE=", 0) != 0;
+  };
   for (char** e = environ; *e != nullptr; ++e) {
-    if (std::string(*e).rfind("GLOG_", 0) != 0) {
+    if (inherited(*e)) {
       envp.push_back(*e);
     }
   }
