@@ -4,7 +4,8 @@
 #
 # Inputs: TORCHRPC_BUILD_DIR, CONSUMER_SOURCE_DIR, WORK_DIR, GENERATOR,
 # PUBLIC_HEADERS_FILE, EXPECT_LAUNCHER (1: bin/torchrpc-launch must be there),
-# CXX_COMPILER, CXX_COMPILER_LAUNCHER (may be empty), BUILD_TYPE.
+# CXX_COMPILER, CXX_COMPILER_LAUNCHER (may be empty), BUILD_TYPE,
+# SANITIZE_FLAGS (the tree's sanitizer flags, space-separated; may be empty).
 cmake_minimum_required(VERSION 3.18)
 
 foreach(var TORCHRPC_BUILD_DIR CONSUMER_SOURCE_DIR WORK_DIR GENERATOR
@@ -66,6 +67,10 @@ set(configureArgs
   -S "${CONSUMER_SOURCE_DIR}" -B "${build}" -G "${GENERATOR}"
   "-DCMAKE_PREFIX_PATH=${prefix}"
   "-DCMAKE_BUILD_TYPE=${BUILD_TYPE}")
+if(SANITIZE_FLAGS)
+  list(APPEND configureArgs "-DCMAKE_CXX_FLAGS=${SANITIZE_FLAGS}"
+    "-DCMAKE_EXE_LINKER_FLAGS=${SANITIZE_FLAGS}")
+endif()
 if(CXX_COMPILER)
   list(APPEND configureArgs "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}")
 endif()
