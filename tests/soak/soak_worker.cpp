@@ -39,6 +39,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
+using torchrpc::soak::boundedMemoryKiB;
+using torchrpc::soak::boundedMemoryName;
 using torchrpc::soak::heapInUseKiB;
 using torchrpc::soak::residentKiB;
 
@@ -48,6 +50,8 @@ struct Flags {
   double progressSeconds = 5;
   int64_t killRank = 2;
   double killAtSeconds = -1; // default: half of --seconds
+  // Bound on the growth of RSS after warm-up (of the heap in use under ASan:
+  // resident_memory.h).
   double maxRssGrowth = 0.05;
 };
 
@@ -176,7 +180,7 @@ int main(int argc, char** argv) {
   const bool killMe = generation == 0 && rank == flags.killRank;
   const auto killAt = start + secondsOf(flags.killAtSeconds);
   const auto warmupAt = start + secondsOf(flags.warmupSeconds);
-  int64_t warmupRss = -1;
+  int64_t warmupMemory = -1;
   auto nextProgress = start + secondsOf(flags.progressSeconds);
 
   torchrpc::soak::SoakDriver driver(
@@ -201,9 +205,10 @@ int main(int argc, char** argv) {
       progress("killing myself (SIGKILL) midway");
       ::kill(::getpid(), SIGKILL);
     }
-    if (warmupRss < 0 && now >= warmupAt) {
-      warmupRss = residentKiB();
-      std::cout << tag << ": rss after warm-up " << mib(warmupRss) << std::endl;
+    if (warmupMemory < 0 && now >= warmupAt) {
+      warmupMemory = boundedMemoryKiB();
+      std::cout << tag << ": " << boundedMemoryName() << " after warm-up "
+                << mib(warmupMemory) << std::endl;
     }
     if (now >= nextProgress) {
       progress("progress");
@@ -233,7 +238,7 @@ int main(int argc, char** argv) {
               << " was killed" << std::endl;
     return 1;
   }
-  const int64_t endRss = residentKiB();
+  const int64_t endMemory = boundedMemoryKiB();
   progress("loop done");
 
   std::vector<std::string> problems;
@@ -242,14 +247,16 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     problems.push_back(std::string("draining: ") + e.what());
   }
-  if (warmupRss <= 0 || endRss <= 0) {
-    problems.push_back("no RSS after warm-up (run longer than the warm-up)");
+  if (warmupMemory <= 0 || endMemory <= 0) {
+    problems.push_back(
+        std::string("no ") + boundedMemoryName() +
+        " after warm-up (run longer than the warm-up)");
   } else {
-    double growth = double(endRss - warmupRss) / double(warmupRss);
+    double growth = double(endMemory - warmupMemory) / double(warmupMemory);
     std::ostringstream line;
-    line << "rss after warm-up " << mib(warmupRss) << ", at the end "
-         << mib(endRss) << ", growth " << std::setprecision(2) << std::fixed
-         << 100 * growth << "%";
+    line << boundedMemoryName() << " after warm-up " << mib(warmupMemory)
+         << ", at the end " << mib(endMemory) << ", growth "
+         << std::setprecision(2) << std::fixed << 100 * growth << "%";
     std::cout << tag << ": " << line.str() << std::endl;
     if (growth >= flags.maxRssGrowth) {
       line << " (bound " << 100 * flags.maxRssGrowth << "%)";
