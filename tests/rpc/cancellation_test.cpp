@@ -127,6 +127,13 @@ TEST_P(CancellationTest, QueuedCallsWhoseCallersGaveUpNeverRun) {
         {"worker1", "count"});
   }
 
+  // The caller sent each cancel just before failing its future; they may
+  // still be in flight (TensorPipe under a sanitizer on a loaded machine took
+  // long enough for 11 of 16 to lose the race with the gate). Their arrival
+  // is not observable from here (the agent counts dropped requests, not
+  // received cancels), so give them a bounded moment: a cancel that arrives
+  // after its request started is, by design, too late.
+  std::this_thread::sleep_for(1s);
   gate_.open();
   for (auto& future : blockers) {
     EXPECT_TRUE(future.wait());
