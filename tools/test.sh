@@ -4,26 +4,58 @@
 #
 #   bash tools/test.sh
 #
-# Release build in ./build (BUILD_DIR overrides), Ninja when installed,
-# ccache in ~/.cache/ccache (CCACHE_DIR overrides; paths relative to the
-# clone, CCACHE_BASEDIR), JOBS=2 parallel jobs.
-# Then, when clang is installed, a bounded fuzz run (tools/fuzz.sh: builds
-# rpc/ and the fuzzers with clang in ./build-fuzz, runs each target
-# FUZZ_SECONDS, default 12 s); TORCHRPC_FUZZ=0 skips it.
-# Exits non-zero when the build, any test or the fuzz run fails; prints
-# ctest's summary last.
+# 1. The whole suite in a build with AddressSanitizer, LeakSanitizer and
+#    UndefinedBehaviorSanitizer (-O2, in ./build-asan): any memory error,
+#    leak or undefined behaviour fails the test it happens in. The tests
+#    that run in one process run in 4 processes per binary
+#    (TORCHRPC_TEST_SHARDS in tests/CMakeLists.txt): starting libtorch under
+#    the sanitizers costs each process 1-2 s of CPU.
+#    SANITIZE=none builds and tests a plain Release tree in ./build instead
+#    (faster; what the examples and benchmarks use).
+# 2. ThreadSanitizer over the tiers that do not fork (tools/sanitize.sh
+#    thread, in ./build-thread); TORCHRPC_TSAN=0 skips it.
+# 3. When clang is installed, a bounded fuzz run (tools/fuzz.sh: builds rpc/
+#    and the fuzzers with clang in ./build-fuzz, runs each target
+#    FUZZ_SECONDS, default 12 s); TORCHRPC_FUZZ=0 skips it.
+#
+# Ninja when installed, ccache in ~/.cache/ccache (CCACHE_DIR overrides;
+# paths relative to the clone, CCACHE_BASEDIR), JOBS=2 parallel jobs;
+# BUILD_DIR overrides the suite's build tree.
+# Exits non-zero when a build, any test, the TSan run or the fuzz run fails;
+# prints a summary of each stage last.
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-build="${BUILD_DIR:-${repo}/build}"
 jobs="${JOBS:-2}"
+sanitize="${SANITIZE:-address,undefined}"
 export CCACHE_DIR="${CCACHE_DIR:-${HOME:-/tmp}/.cache/ccache}"
 # Paths inside the clone hash as relative ones, so a clone elsewhere (a
 # fresh CI checkout) reuses what an earlier build of the same sources cached.
 export CCACHE_BASEDIR="${CCACHE_BASEDIR:-${repo}}"
 mkdir -p "${CCACHE_DIR}"
 
-configure=(cmake -S "${repo}" -B "${build}" -DCMAKE_BUILD_TYPE=Release)
+case "${sanitize}" in
+  none)
+    build="${BUILD_DIR:-${repo}/build}"
+    configure=(cmake -S "${repo}" -B "${build}" -DCMAKE_BUILD_TYPE=Release)
+    ;;
+  address,undefined)
+    build="${BUILD_DIR:-${repo}/build-asan}"
+    # -O2 as in Release, line tables (-g1) for the sanitizers' reports.
+    configure=(cmake -S "${repo}" -B "${build}"
+      -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g1"
+      "-DSANITIZE=${sanitize}" -DTORCHRPC_TEST_SHARDS=4)
+    # Leaks are checked at every test process's exit (nothing is
+    # suppressed); undefined behaviour stops the process with a report (the
+    # build does not recover from it).
+    export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:${ASAN_OPTIONS:-}"
+    export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"
+    ;;
+  *)
+    echo "test.sh: SANITIZE must be address,undefined (the default) or none, not '${sanitize}'" >&2
+    exit 2
+    ;;
+esac
 # An existing build tree keeps its generator; CMake refuses to switch it.
 if [[ ! -f "${build}/CMakeCache.txt" ]] && command -v ninja >/dev/null; then
   configure+=(-G Ninja)
@@ -39,8 +71,20 @@ status=0
 ctest --test-dir "${build}" --output-on-failure -j "${jobs}" --timeout 300 \
   2>&1 | tee "${log}" || status=$?
 
-# A run of its own rather than a CTest test: the fuzzers need a second,
-# clang-built tree, which a CTest test of this tree could only skip.
+# Runs of their own rather than CTest tests: ThreadSanitizer and the fuzzers
+# each need a tree of their own, which a CTest test of this tree could only
+# skip.
+tsan="skipped (TORCHRPC_TSAN=0)"
+if [[ "${TORCHRPC_TSAN:-1}" != 0 ]]; then
+  tsan_start=${SECONDS}
+  if JOBS="${jobs}" bash "${repo}/tools/sanitize.sh" thread </dev/null; then
+    tsan="passed in $((SECONDS - tsan_start)) s"
+  else
+    tsan="FAILED after $((SECONDS - tsan_start)) s"
+    status=1
+  fi
+fi
+
 fuzz="skipped (TORCHRPC_FUZZ=0)"
 if [[ "${TORCHRPC_FUZZ:-1}" != 0 ]]; then
   if ! command -v clang++ >/dev/null; then
@@ -57,7 +101,8 @@ if [[ "${TORCHRPC_FUZZ:-1}" != 0 ]]; then
   fi
 fi
 
-echo "test.sh: $(grep -E 'tests passed|No tests were found' "${log}" | tail -1 || echo 'ctest printed no summary')"
+echo "test.sh: suite (SANITIZE=${sanitize}) $(grep -E 'tests passed|No tests were found' "${log}" | tail -1 || echo 'ctest printed no summary')"
+echo "test.sh: ThreadSanitizer ${tsan}"
 echo "test.sh: fuzzing ${fuzz}"
 echo "test.sh: total $((SECONDS - start)) s"
 exit "${status}"
