@@ -23,6 +23,8 @@ export CCACHE_DIR="${CCACHE_DIR:-${HOME:-/tmp}/.cache/ccache}"
 # Paths inside the clone hash as relative ones, so a clone elsewhere (a
 # fresh CI checkout) reuses what an earlier build of the same sources cached.
 export CCACHE_BASEDIR="${CCACHE_BASEDIR:-${repo}}"
+# -g builds: ccache would hash the build directory, which differs per clone.
+export CCACHE_HASHDIR="${CCACHE_HASHDIR:-false}"
 
 runs=""
 write_corpus=0

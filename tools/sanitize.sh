@@ -2,12 +2,13 @@
 # Builds the library and its in-process test binaries with ThreadSanitizer and
 # runs every test that does not fork, in a few processes per binary (one test
 # after another: that also exercises start, shutdown and start again of many
-# runtimes in one process). tools/test.sh runs it after the suite.
+# runtimes in one process). `TORCHRPC_TSAN=1 bash tools/test.sh` runs it after
+# the suite.
 #
 #   bash tools/sanitize.sh thread
 #
 # (AddressSanitizer, LeakSanitizer and UndefinedBehaviorSanitizer cover the
-# whole suite: that is tools/test.sh's own build.)
+# whole suite: `SANITIZE=address,undefined bash tools/test.sh`.)
 #
 # Build tree: build-thread/ (BUILD_DIR overrides). libtorch and TensorPipe are
 # not instrumented; tests/tsan.supp silences what TSan reports inside them.
@@ -16,7 +17,7 @@ set -euo pipefail
 
 sanitizer="${1:-thread}"
 if [[ "${sanitizer}" != thread ]]; then
-  echo "usage: $0 thread (ASan and UBSan: bash tools/test.sh)" >&2
+  echo "usage: $0 thread (ASan and UBSan: SANITIZE=address,undefined bash tools/test.sh)" >&2
   exit 2
 fi
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -24,6 +25,8 @@ build="${BUILD_DIR:-${repo}/build-${sanitizer}}"
 jobs="${JOBS:-2}"
 export CCACHE_DIR="${CCACHE_DIR:-${HOME:-/tmp}/.cache/ccache}"
 export CCACHE_BASEDIR="${CCACHE_BASEDIR:-${repo}}"
+# -g builds: ccache would hash the build directory, which differs per clone.
+export CCACHE_HASHDIR="${CCACHE_HASHDIR:-false}"
 
 binaries=(torchrpc_rpc_tests torchrpc_rref_tests torchrpc_autograd_tests
   torchrpc_training_tests)

@@ -4,34 +4,37 @@
 #
 #   bash tools/test.sh
 #
-# 1. The whole suite in a build with AddressSanitizer, LeakSanitizer and
-#    UndefinedBehaviorSanitizer (-O2, in ./build-asan): any memory error,
-#    leak or undefined behaviour fails the test it happens in. The tests
-#    that run in one process run in 4 processes per binary
-#    (TORCHRPC_TEST_SHARDS in tests/CMakeLists.txt): starting libtorch under
-#    the sanitizers costs each process 1-2 s of CPU.
-#    SANITIZE=none builds and tests a plain Release tree in ./build instead
-#    (faster; what the examples and benchmarks use).
-# 2. ThreadSanitizer over the tiers that do not fork (tools/sanitize.sh
-#    thread, in ./build-thread); TORCHRPC_TSAN=0 skips it.
+# 1. The whole suite in a Release build (./build), one process per test.
+#    SANITIZE=address,undefined runs it instead in a build with
+#    AddressSanitizer, LeakSanitizer and UndefinedBehaviorSanitizer (-O2, in
+#    ./build-asan): any memory error, leak or undefined behaviour fails the
+#    test it happens in. The tests that run in one process then run in 4
+#    processes per binary (TORCHRPC_TEST_SHARDS in tests/CMakeLists.txt):
+#    starting libtorch under the sanitizers costs each process 1-2 s of CPU.
+# 2. With TORCHRPC_TSAN=1, ThreadSanitizer over the tiers that do not fork
+#    (tools/sanitize.sh thread, in ./build-thread).
 # 3. When clang is installed, a bounded fuzz run (tools/fuzz.sh: builds rpc/
 #    and the fuzzers with clang in ./build-fuzz, runs each target
 #    FUZZ_SECONDS, default 12 s); TORCHRPC_FUZZ=0 skips it.
 #
 # Ninja when installed, ccache in ~/.cache/ccache (CCACHE_DIR overrides;
-# paths relative to the clone, CCACHE_BASEDIR), JOBS=2 parallel jobs;
-# BUILD_DIR overrides the suite's build tree.
+# paths relative to the clone, CCACHE_BASEDIR, and the build directory not
+# hashed, CCACHE_HASHDIR, so that a clone anywhere reuses the cache), JOBS=2
+# parallel jobs; BUILD_DIR overrides the suite's build tree.
 # Exits non-zero when a build, any test, the TSan run or the fuzz run fails;
 # prints a summary of each stage last.
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 jobs="${JOBS:-2}"
-sanitize="${SANITIZE:-address,undefined}"
+sanitize="${SANITIZE:-none}"
 export CCACHE_DIR="${CCACHE_DIR:-${HOME:-/tmp}/.cache/ccache}"
 # Paths inside the clone hash as relative ones, so a clone elsewhere (a
 # fresh CI checkout) reuses what an earlier build of the same sources cached.
 export CCACHE_BASEDIR="${CCACHE_BASEDIR:-${repo}}"
+# With -g (the sanitizer and fuzzer builds) ccache hashes the build
+# directory, which differs in every clone.
+export CCACHE_HASHDIR="${CCACHE_HASHDIR:-false}"
 mkdir -p "${CCACHE_DIR}"
 
 case "${sanitize}" in
@@ -52,7 +55,7 @@ case "${sanitize}" in
     export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"
     ;;
   *)
-    echo "test.sh: SANITIZE must be address,undefined (the default) or none, not '${sanitize}'" >&2
+    echo "test.sh: SANITIZE must be none (the default) or address,undefined, not '${sanitize}'" >&2
     exit 2
     ;;
 esac
@@ -74,8 +77,8 @@ ctest --test-dir "${build}" --output-on-failure -j "${jobs}" --timeout 300 \
 # Runs of their own rather than CTest tests: ThreadSanitizer and the fuzzers
 # each need a tree of their own, which a CTest test of this tree could only
 # skip.
-tsan="skipped (TORCHRPC_TSAN=0)"
-if [[ "${TORCHRPC_TSAN:-1}" != 0 ]]; then
+tsan="skipped (TORCHRPC_TSAN=1 runs it)"
+if [[ "${TORCHRPC_TSAN:-0}" != 0 ]]; then
   tsan_start=${SECONDS}
   if JOBS="${jobs}" bash "${repo}/tools/sanitize.sh" thread </dev/null; then
     tsan="passed in $((SECONDS - tsan_start)) s"
