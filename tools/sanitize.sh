@@ -26,7 +26,7 @@ jobs="${JOBS:-2}"
 export CCACHE_DIR="${CCACHE_DIR:-${HOME:-/tmp}/.cache/ccache}"
 export CCACHE_BASEDIR="${CCACHE_BASEDIR:-${repo}}"
 # -g builds: ccache would hash the build directory, which differs per clone.
-export CCACHE_HASHDIR="${CCACHE_HASHDIR:-false}"
+export CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-true}"
 
 binaries=(torchrpc_rpc_tests torchrpc_rref_tests torchrpc_autograd_tests
   torchrpc_training_tests)

@@ -19,7 +19,7 @@
 #
 # Ninja when installed, ccache in ~/.cache/ccache (CCACHE_DIR overrides;
 # paths relative to the clone, CCACHE_BASEDIR, and the build directory not
-# hashed, CCACHE_HASHDIR, so that a clone anywhere reuses the cache), JOBS=2
+# hashed, CCACHE_NOHASHDIR, so that a clone anywhere reuses the cache), JOBS=2
 # parallel jobs; BUILD_DIR overrides the suite's build tree.
 # Exits non-zero when a build, any test, the TSan run or the fuzz run fails;
 # prints a summary of each stage last.
@@ -34,7 +34,7 @@ export CCACHE_DIR="${CCACHE_DIR:-${HOME:-/tmp}/.cache/ccache}"
 export CCACHE_BASEDIR="${CCACHE_BASEDIR:-${repo}}"
 # With -g (the sanitizer and fuzzer builds) ccache hashes the build
 # directory, which differs in every clone.
-export CCACHE_HASHDIR="${CCACHE_HASHDIR:-false}"
+export CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-true}"
 mkdir -p "${CCACHE_DIR}"
 
 case "${sanitize}" in
