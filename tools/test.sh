@@ -80,7 +80,9 @@ ctest --test-dir "${build}" --output-on-failure -j "${jobs}" --timeout 300 \
 tsan="skipped (TORCHRPC_TSAN=1 runs it)"
 if [[ "${TORCHRPC_TSAN:-0}" != 0 ]]; then
   tsan_start=${SECONDS}
-  if JOBS="${jobs}" bash "${repo}/tools/sanitize.sh" thread </dev/null; then
+  # env -u BUILD_DIR: that variable names this script's suite tree; the
+  # TSan and fuzz scripts would otherwise reconfigure that tree as theirs.
+  if env -u BUILD_DIR JOBS="${jobs}" bash "${repo}/tools/sanitize.sh" thread </dev/null; then
     tsan="passed in $((SECONDS - tsan_start)) s"
   else
     tsan="FAILED after $((SECONDS - tsan_start)) s"
@@ -94,7 +96,7 @@ if [[ "${TORCHRPC_FUZZ:-1}" != 0 ]]; then
     fuzz="skipped (no clang++; tools/setup_debian.sh installs it)"
   else
     fuzz_start=${SECONDS}
-    if FUZZ_SECONDS="${FUZZ_SECONDS:-12}" JOBS="${jobs}" \
+    if env -u BUILD_DIR FUZZ_SECONDS="${FUZZ_SECONDS:-12}" JOBS="${jobs}" \
         bash "${repo}/tools/fuzz.sh" </dev/null; then
       fuzz="passed in $((SECONDS - fuzz_start)) s"
     else
