@@ -347,6 +347,37 @@ TEST(MetricsHttpServerHostile, RequestsWithABodyAreRefusedWithoutReadingIt) {
   expectScrape(server, kBody);
 }
 
+// After a response that ends the connection the server drains what the
+// peer still sends, so that the peer reads the response rather than a reset;
+// but for 1 s and 64 KiB at most.
+TEST(MetricsHttpServerHostile, TheLingeringCloseIsBoundedInTimeAndBytes) {
+  Exposition exposition(kBody);
+  MetricsHttpServer server(testOptions(), exposition.render());
+  const std::string withBody =
+      "POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n";
+
+  // A peer that stays silent after the response.
+  HttpConnection silent(server.port());
+  ASSERT_TRUE(silent.sendRaw(withBody));
+  auto start = Clock::now();
+  EXPECT_EQ(silent.readResponse().status, 413);
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(server.openConnections(), 1u); // still draining
+  EXPECT_EQ(server.idleConnections(), 1u);
+  ASSERT_TRUE(eventually([&] { return server.openConnections() == 0; }, 3s));
+  EXPECT_GE(Clock::now() - start, 900ms);
+
+  // A peer that keeps sending: cut off after 64 KiB, long before 1 s.
+  HttpConnection talker(server.port());
+  ASSERT_TRUE(talker.sendRaw(withBody));
+  EXPECT_EQ(talker.readResponse().status, 413);
+  start = Clock::now();
+  talker.sendRaw(std::string(1 << 20, 'x'), 2s); // fails once it is cut off
+  ASSERT_TRUE(eventually([&] { return server.openConnections() == 0; }, 3s));
+  EXPECT_LT(Clock::now() - start, 700ms);
+  EXPECT_EQ(server.requestsRejected(), 2u);
+}
+
 TEST(MetricsHttpServerHostile, AHeaderOverTheCapIs431) {
   Exposition exposition(kBody);
   auto options = testOptions();
