@@ -116,6 +116,24 @@ case "${case_name}" in
     expect_rc 0
     expect_line "${out}" "[rank 0]: RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 GROUP_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 TORCHELASTIC_RESTART_COUNT=0 TORCHELASTIC_MAX_RESTARTS=0 TORCHELASTIC_RUN_ID=none "
     ;;
+  PassesTracingAndMetricsSettings)
+    run 30 --nproc-per-node 2 --trace-dir /tmp/traces --trace-steps 2:3 \
+      --metrics-port 9100 --metrics-host 127.0.0.2 -- "${worker}" observability-env
+    expect_rc 0
+    expect_line "${out}" "[rank 0]: TORCHRPC_TRACE_DIR=/tmp/traces TORCHRPC_TRACE_STEPS=2:3 TORCHRPC_METRICS_ADDR=127.0.0.2:9100 "
+    expect_line "${out}" "[rank 1]: TORCHRPC_TRACE_DIR=/tmp/traces TORCHRPC_TRACE_STEPS=2:3 TORCHRPC_METRICS_ADDR=127.0.0.2:9101 "
+    # None of them unless asked.
+    run 30 -- "${worker}" observability-env
+    expect_rc 0
+    expect_line "${out}" "[rank 0]: TORCHRPC_TRACE_DIR=unset TORCHRPC_TRACE_STEPS=unset TORCHRPC_METRICS_ADDR=unset "
+    # Misuse is refused before any worker starts.
+    run 30 --trace-steps 2:3 -- "${worker}" observability-env
+    [[ ${rc} -ne 0 ]] || fail "--trace-steps without --trace-dir was accepted"
+    grep -q -- "--trace-steps: needs --trace-dir" "${err}" || fail "no reason for refusing --trace-steps"
+    run 30 --trace-dir /tmp/t --trace-steps 2:0 -- "${worker}" observability-env
+    [[ ${rc} -ne 0 ]] || fail "--trace-steps 2:0 was accepted"
+    [[ ! -s "${out}" ]] || fail "a worker ran after a usage error"
+    ;;
   IsolatesEachWorker)
     run 30 --nproc-per-node 2 -- "${worker}" isolation
     expect_rc 0

@@ -15,6 +15,12 @@ sleep_long() {
 }
 
 case "$1" in
+  observability-env)
+    for name in TORCHRPC_TRACE_DIR TORCHRPC_TRACE_STEPS TORCHRPC_METRICS_ADDR; do
+      printf '%s=%s ' "${name}" "${!name-unset}"
+    done
+    echo
+    ;;
   env)
     for name in RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK \
       MASTER_ADDR MASTER_PORT TORCHELASTIC_RESTART_COUNT \

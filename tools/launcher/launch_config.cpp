@@ -19,7 +19,7 @@ namespace launcher {
 std::map<std::string, std::string> LaunchConfig::workerEnvironment(
     int localRank,
     int restartCount) const {
-  return {
+  std::map<std::string, std::string> environment = {
       {"RANK", std::to_string(nodeRank * nprocPerNode + localRank)},
       {"LOCAL_RANK", std::to_string(localRank)},
       {"WORLD_SIZE", std::to_string(worldSize())},
@@ -37,6 +37,17 @@ std::map<std::string, std::string> LaunchConfig::workerEnvironment(
       // Rank 0 hosts the store: there is no agent store to join.
       {"TORCHELASTIC_USE_AGENT_STORE", "False"},
   };
+  if (!traceDir.empty()) {
+    environment["TORCHRPC_TRACE_DIR"] = traceDir;
+  }
+  if (!traceSteps.empty()) {
+    environment["TORCHRPC_TRACE_STEPS"] = traceSteps;
+  }
+  if (metricsPort > 0) {
+    environment["TORCHRPC_METRICS_ADDR"] =
+        metricsHost + ":" + std::to_string(metricsPort + localRank);
+  }
+  return environment;
 }
 
 namespace {
@@ -134,6 +145,42 @@ bool parseCommandLine(
       config.runId,
       "TORCHELASTIC_RUN_ID of the workers");
   app.add_option(
+      "--trace-dir",
+      config.traceDir,
+      "every worker traces and writes <dir>/<worker>.trace.json at shutdown "
+      "(TORCHRPC_TRACE_DIR; merge them with torchrpc-trace-merge)");
+  app.add_option(
+         "--trace-steps",
+         config.traceSteps,
+         "with --trace-dir, trace only steps FIRST:COUNT (TORCHRPC_TRACE_STEPS)")
+      ->check(CLI::Validator(
+          [](std::string& value) -> std::string {
+            auto colon = value.find(':');
+            auto digits = [](const std::string& part) {
+              return !part.empty() &&
+                  part.find_first_not_of("0123456789") == std::string::npos;
+            };
+            if (colon == std::string::npos
+                    ? !digits(value) || std::stoll(value) == 0
+                    : !digits(value.substr(0, colon)) ||
+                        !digits(value.substr(colon + 1)) ||
+                        std::stoll(value.substr(colon + 1)) == 0) {
+              return "must be FIRST:COUNT or COUNT, with COUNT > 0";
+            }
+            return "";
+          },
+          "FIRST:COUNT"));
+  app.add_option(
+         "--metrics-port",
+         config.metricsPort,
+         "serve each worker's metrics (Prometheus) at "
+         "http://HOST:PORT+LOCAL_RANK/metrics (TORCHRPC_METRICS_ADDR)")
+      ->check(CLI::Range(1, 65535));
+  app.add_option(
+      "--metrics-host",
+      config.metricsHost,
+      "the address --metrics-port binds (default 127.0.0.1)");
+  app.add_option(
          "--stop-grace-seconds",
          graceSeconds,
          "time between SIGTERM and SIGKILL when stopping workers")
@@ -165,6 +212,15 @@ bool parseCommandLine(
     }
     if (config.nodeRank >= config.nnodes) {
       throw CLI::ValidationError("--node-rank", "must be below --nnodes");
+    }
+    if (!config.traceSteps.empty() && config.traceDir.empty()) {
+      throw CLI::ValidationError("--trace-steps", "needs --trace-dir");
+    }
+    if (config.metricsPort > 0 &&
+        config.metricsPort + config.nprocPerNode - 1 > 65535) {
+      throw CLI::ValidationError(
+          "--metrics-port",
+          "leaves no port for every local rank");
     }
   } catch (const CLI::ParseError& e) {
     exitCode = app.exit(e);

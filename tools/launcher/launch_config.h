@@ -25,6 +25,14 @@ struct LaunchConfig {
   // How long stopped workers get between SIGTERM (or the forwarded signal)
   // and SIGKILL.
   std::chrono::milliseconds stopGrace{std::chrono::seconds(5)};
+  // Seeing inside the job (README "Observing a job"): passed to every
+  // worker as TORCHRPC_TRACE_DIR, TORCHRPC_TRACE_STEPS and
+  // TORCHRPC_METRICS_ADDR (<metricsHost>:<metricsPort + local rank>), when
+  // set.
+  std::string traceDir;
+  std::string traceSteps;
+  int metricsPort = 0;
+  std::string metricsHost = "127.0.0.1";
   // The program and its arguments.
   std::vector<std::string> command;
 
