@@ -6,8 +6,11 @@
 #include "proto/autograd/autograd.pb.h"
 #include "torchrpc/autograd/detail/wire.h"
 #include "torchrpc/autograd/engine/dist_engine.h"
+#include "torchrpc/autograd/engine/local_backward.h"
+#include "torchrpc/autograd/graph_dump.h"
 #include "torchrpc/autograd/messages.h"
 #include "torchrpc/rpc/future.h"
+#include "torchrpc/rpc/log_level.h"
 #include "torchrpc/rpc/request_scope.h"
 
 namespace torchrpc {
@@ -113,6 +116,7 @@ void ContextContainer::registerWithAgent() {
     }
   };
   agent_.addHook(std::move(hook));
+  detail::registerGraphDump(agent_, *this);
   agent_.registerHandler(
       kReleaseContextKind,
       detail::kReleaseContextWhat,
@@ -139,6 +143,75 @@ ContextContainer::Counters ContextContainer::counters() const {
     counters.livePasses += entry.second->passCount();
   }
   return counters;
+}
+
+void ContextContainer::reportMetrics(rpc::LayerMetrics& out) const {
+  Counters c = counters();
+  size_t releases = 0;
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    releases = releasesInFlight_;
+  }
+  using Kind = rpc::LayerValue::Kind;
+  out.values = {
+      {"contexts",
+       "Distributed autograd contexts held here.",
+       Kind::kGauge,
+       static_cast<double>(c.liveContexts)},
+      {"send_functions",
+       "Send functions recorded in those contexts.",
+       Kind::kGauge,
+       static_cast<double>(c.sendFunctions)},
+      {"recv_functions",
+       "Recv functions recorded in those contexts.",
+       Kind::kGauge,
+       static_cast<double>(c.recvFunctions)},
+      {"passes",
+       "Backward passes running here.",
+       Kind::kGauge,
+       static_cast<double>(c.livePasses)},
+      {"releases_in_flight",
+       "Context releases started here whose answers have not all come.",
+       Kind::kGauge,
+       static_cast<double>(releases)},
+  };
+}
+
+void ContextContainer::describeWaits(std::vector<std::string>& out) const {
+  std::vector<std::shared_ptr<DistContext>> contexts;
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    for (const auto& entry : contexts_) {
+      contexts.push_back(entry.second);
+    }
+  }
+  const auto& workers = agent_.workers();
+  auto nameOf = [&](int64_t id) {
+    return id >= 0 && id < static_cast<int64_t>(workers.size())
+        ? "'" + workers[id].name + "'"
+        : "worker " + std::to_string(id);
+  };
+  for (const auto& context : contexts) {
+    for (const auto& entry : context->passes()) {
+      auto waiting = entry.second->waitingSends();
+      if (waiting.empty()) {
+        out.push_back(
+            "context " + std::to_string(context->id()) + ", backward pass " +
+            std::to_string(entry.first) +
+            ": no gradients outstanding here (its nodes are running, or it "
+            "awaits answers to the gradients it sent)");
+        continue;
+      }
+      for (const auto& send : waiting) {
+        out.push_back(
+            "context " + std::to_string(context->id()) + ", backward pass " +
+            std::to_string(entry.first) + ": the gradients for message " +
+            std::to_string(send.first) + " (its recv function is on " +
+            nameOf(send.second) + ") have not arrived from " +
+            nameOf(send.second));
+      }
+    }
+  }
 }
 
 // ---- contexts ---------------------------------------------------------------
@@ -296,10 +369,10 @@ FuturePtr ContextContainer::releaseAsync(int64_t id) {
       return;
     }
     if (all.hasError()) {
-      LOG(WARNING) << self->runtime_.self().name
-                   << ": distributed autograd context " << id
-                   << " was not released everywhere: "
-                   << rpc::describeException(all.exception_ptr());
+      TORCHRPC_LOG(kWarning)
+          << self->runtime_.self().name << ": distributed autograd context "
+          << id << " was not released everywhere: "
+          << rpc::describeException(all.exception_ptr());
     }
     std::lock_guard<std::mutex> guard(self->mutex_);
     if (--self->releasesInFlight_ == 0) {
@@ -334,6 +407,10 @@ FuturePtr ContextContainer::releaseAndForward(
         released_.erase(releasedOrder_.front());
         releasedOrder_.pop_front();
       }
+    }
+    if (context) {
+      TORCHRPC_LOG(kDebug) << runtime_.self().name << ": released context "
+                           << id << (except >= 0 ? " at a peer's request" : "");
     }
     if (closed_) {
       return readyFuture();

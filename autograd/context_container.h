@@ -130,6 +130,12 @@ class ContextContainer : public rpc::RuntimeLayer,
   void workerLost(const rpc::WorkerInfo& worker, const std::string& cause)
       override;
   void closed() override;
+  // Contexts, send/recv functions, passes (Counters), and releases in
+  // flight.
+  void reportMetrics(rpc::LayerMetrics& out) const override;
+  // Per running pass: the recv functions whose gradients have not arrived,
+  // and from which worker (Runtime::hangReport()).
+  void describeWaits(std::vector<std::string>& out) const override;
 
  private:
   struct Token {};

@@ -77,6 +77,12 @@ void DistContext::removePass(int64_t passId) {
   }
 }
 
+std::map<int64_t, std::shared_ptr<detail::LocalBackward>> DistContext::passes()
+    const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  return passes_;
+}
+
 size_t DistContext::passCount() const {
   std::lock_guard<std::mutex> guard(mutex_);
   return passes_.size();

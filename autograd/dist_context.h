@@ -90,6 +90,8 @@ class DistContext {
   std::shared_ptr<detail::LocalBackward> findPass(int64_t passId) const;
   void removePass(int64_t passId);
   size_t passCount() const;
+  // Every running pass, by id (hang reports).
+  std::map<int64_t, std::shared_ptr<detail::LocalBackward>> passes() const;
 
   // Adds a pass's leaf gradients (leaf, gradient) to what earlier passes
   // left, taking or copying each as Note [Gradient ownership] says.

@@ -23,6 +23,10 @@ constexpr uint32_t kAbortKind = 36;
 // Starts a pass on the owner of an RRef root, which drives it.
 constexpr uint32_t kBackwardOnOwnerKind = 37;
 
+// graphDot(): "draw your part of this context" (Note [Graph dump] in
+// autograd/graph_dump.h).
+constexpr uint32_t kGraphDumpKind = 38;
+
 // Whether `kind` is a running pass's own traffic, which belongs to no
 // context's forward: it records no send/recv functions (gradients crossing
 // workers are not a forward), and carries no context metadata.
@@ -34,6 +38,9 @@ constexpr uint32_t kBackwardOnOwnerKind = 37;
 // even when no forward message ever reached it.
 constexpr bool isBackwardPassKind(uint32_t kind) {
   switch (kind) {
+    // Not a pass's, but no forward's either: looking at a context's graph
+    // must not make the workers asked join it.
+    case kGraphDumpKind:
     case kDiscoverKind:
     case kGradientsKind:
     case kAwaitKind:

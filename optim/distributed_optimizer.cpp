@@ -8,6 +8,7 @@
 
 #include "torchrpc/optim/detail/local_optimizer.h"
 #include "torchrpc/rpc/errors.h"
+#include "torchrpc/rpc/tracing.h"
 
 namespace torchrpc {
 namespace optim {
@@ -60,7 +61,8 @@ DistributedOptimizer::DistributedOptimizer(
     rpc::Runtime& runtime,
     const std::vector<rref::RRef<at::Tensor>>& parameters,
     const OptimizerOptions& options)
-    : selfName_(runtime.self().name),
+    : runtime_(runtime),
+      selfName_(runtime.self().name),
       kind_(options.kind()),
       learningRate_(options.learningRate()) {
   TORCH_CHECK(
@@ -112,14 +114,41 @@ std::vector<FuturePtr> DistributedOptimizer::onEveryOwner(
 }
 
 rpc::Future<void> DistributedOptimizer::stepAsync(int64_t contextId) {
+  const auto startedAt = std::chrono::steady_clock::now();
+  const bool traced = runtime_.tracer().enabled();
   auto futures = onEveryOwner([contextId](const OwnerPart& part) {
     return part.local.rpcAsync<int64_t>(detail::kStep, contextId).ivalue();
   });
+  // The step's end for trace windows (Note [Tracing] in rpc/tracing.h):
+  // its messages above are the step's last.
+  runtime_.step();
   std::vector<std::string> workers;
   for (const auto& part : parts_) {
     workers.push_back(part->worker);
   }
   auto done = c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get());
+  if (traced) {
+    rpc::Tracer& tracer = runtime_.tracer();
+    size_t owners = parts_.size();
+    done->addCallback(
+        [&tracer, startedAt, contextId, owners](c10::ivalue::Future& step) {
+          rpc::TraceArgs args = {
+              {"context", contextId},
+              {"owners", static_cast<int64_t>(owners)}};
+          if (step.hasError()) {
+            args.emplace_back(
+                "error",
+                rpc::describeException(step.exception_ptr()));
+          }
+          tracer.complete(
+              "optim",
+              "DistributedOptimizer.step (context " +
+                  std::to_string(contextId) + ")",
+              startedAt,
+              std::chrono::steady_clock::now(),
+              std::move(args));
+        });
+  }
   auto settled = rpc::allSettled(futures);
   settled->addCallback([done, futures, workers, contextId, self = selfName_](
                            c10::ivalue::Future&) {

@@ -104,6 +104,8 @@ class DistributedOptimizer {
       const std::function<c10::intrusive_ptr<c10::ivalue::Future>(
           const OwnerPart&)>& call) const;
 
+  // Traces the steps and counts them (Runtime::step()); outlives this.
+  rpc::Runtime& runtime_;
   std::string selfName_;
   std::string kind_;
   double learningRate_;

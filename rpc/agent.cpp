@@ -7,8 +7,10 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -16,12 +18,16 @@
 #include <unordered_set>
 
 #include "proto/rpc/envelope.pb.h"
+#include "torchrpc/rpc/detail/agent_metrics.h"
 #include "torchrpc/rpc/detail/cancelled_requests.h"
 #include "torchrpc/rpc/detail/lost_workers.h"
 #include "torchrpc/rpc/detail/spinning_thread_pool.h"
 #include "torchrpc/rpc/errors.h"
+#include "torchrpc/rpc/log_level.h"
+#include "torchrpc/rpc/metrics.h"
 #include "torchrpc/rpc/request_cancellation.h"
 #include "torchrpc/rpc/request_scope.h"
+#include "torchrpc/rpc/tracing.h"
 #include "torchrpc/rpc/wire/envelope.h"
 
 namespace torchrpc {
@@ -57,6 +63,25 @@ bool hasPassed(Clock::time_point deadline) {
   return deadline != Clock::time_point::max() && Clock::now() >= deadline;
 }
 
+// Note [Metrics] in rpc/metrics.h: how many distinct labels the tables
+// keep. Served labels come from peers; call labels from this program.
+constexpr size_t kMaxServedLabels = 1024;
+constexpr size_t kMaxCallLabels = 4096;
+
+// Header and tensor bytes of a message, as metrics count them.
+uint64_t messageBytes(const Message& message) {
+  uint64_t bytes = message.header.size();
+  for (const auto& tensor : message.tensors) {
+    bytes += tensor.nbytes();
+  }
+  return bytes;
+}
+
+// The call id of the trace contract (tools/trace/README.md).
+std::string traceCallId(const std::string& caller, uint64_t id) {
+  return caller + "#" + std::to_string(id);
+}
+
 } // namespace
 
 // One connection as the agent tracks it. Outgoing connections carry our
@@ -86,10 +111,29 @@ struct PendingCall {
   bool completeOnTransportThread = false;
   std::shared_ptr<AgentConnection> via;
   std::string peerName;
+  int64_t peerId = -1;
   std::string what;
+  // Note [Metrics]: the function's counters, resolved once in send().
+  detail::CallCounters* stats = nullptr;
+  Clock::time_point sentAt;
+  // The call is traced (the tracer was on when it was sent).
+  bool traced = false;
   Clock::time_point deadline = Clock::time_point::max();
   // Travels with the cancel message; see detail::CancelledRequests.
   std::chrono::milliseconds timeout{0};
+};
+
+// A request as it arrived: when, and its size (Note [Metrics]).
+struct Arrival {
+  Clock::time_point at;
+  uint64_t bytes = 0;
+};
+// What serve() counts and traces a request with.
+struct ServedRequest {
+  detail::ServedCounters* stats = nullptr;
+  Clock::time_point arrived;
+  // The caller traced it (Note [Tracing]).
+  bool marked = false;
 };
 
 // Note [Where messages are handled]
@@ -101,7 +145,9 @@ struct PendingCall {
 // OutgoingRequest::awaitedSynchronously) is decoded and completed right on
 // the transport thread, since the only thing waiting is the caller's wait().
 // Cancel messages are handled on the transport thread too (Note [Cancelled
-// requests]).
+// requests]), and so are requests of kinds registered with
+// Dispatch::kInline (hang reports), which must be answered even while every
+// pool thread is blocked.
 
 // Note [Agent heartbeats]
 // ~~~~~~~~~~~~~~~~~~~~~~~
@@ -146,6 +192,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
         options_(options),
         transport_(std::move(transport)),
         codec_(self_, options),
+        tracer_(self_.name, self_.id, options.traceMaxEvents),
         pool_(
             std::max<size_t>(1, options.numWorkerThreads),
             options.spinAfterWork),
@@ -177,7 +224,8 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       std::string name,
       RequestHandler h,
       RequestLabel label,
-      Cancellation cancellation) {
+      Cancellation cancellation,
+      Dispatch dispatch) {
     TORCH_CHECK(!listening_, "handlers must be registered before start()");
     TORCH_CHECK(h, "handler for message kind ", kind, " is empty");
     TORCH_CHECK(
@@ -192,7 +240,8 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
                                 std::move(name),
                                 std::move(h),
                                 label,
-                                cancellation})
+                                cancellation,
+                                dispatch})
                         .second;
     TORCH_CHECK(inserted, "message kind ", kind, " is already registered");
   }
@@ -241,6 +290,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       }
       responseMaps_[entry.first] = std::move(inverse);
     }
+    peerStats_ = std::vector<detail::PeerCounters>(workers.size());
     {
       std::lock_guard<std::mutex> guard(mutex_);
       workers_ = std::move(workers);
@@ -278,8 +328,17 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       const WorkerRef& to,
       OutgoingRequest request) {
     auto future = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+    const Clock::time_point sentAt = Clock::now();
+    detail::CallCounters& stats = callStats_.get(request.what);
+    stats.started.fetch_add(1, std::memory_order_relaxed);
+    // Calls that fail before they leave count as failed at once.
+    auto failedBeforeSending = [&](ErrorCode code) {
+      stats.failed.add(code);
+      stats.latency.record(Clock::now() - sentAt);
+    };
     const WorkerInfo* peer = workersReady_ ? find(to) : nullptr;
     if (refusingCalls_ || closed_) {
+      failedBeforeSending(ErrorCode::kShuttingDown);
       future->setError(makeRpcError(
           ErrorCode::kShuttingDown,
           peer ? peer->name : to.describe(),
@@ -289,6 +348,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       return future;
     }
     if (peer == nullptr) {
+      failedBeforeSending(ErrorCode::kWorkerUnavailable);
       future->setError(makeRpcError(
           ErrorCode::kWorkerUnavailable,
           to.describe(),
@@ -299,6 +359,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       return future;
     }
     if (auto cause = lost_.causeOf(peer->id)) {
+      failedBeforeSending(ErrorCode::kWorkerUnavailable);
       future->setError(makeRpcError(
           ErrorCode::kWorkerUnavailable,
           peer->name,
@@ -308,6 +369,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       return future;
     }
     uint64_t id = nextMessageId_.fetch_add(1);
+    const bool traced = tracer_.enabled();
     Message message;
     // Errors raised before the message exists carry message id 0: nothing
     // was sent (an upper layer may rely on that).
@@ -316,12 +378,15 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
           *peer,
           id,
           request,
-          mapFor(requestMaps_, peer->id));
+          mapFor(requestMaps_, peer->id),
+          traced);
     } catch (const RpcError& e) {
+      failedBeforeSending(e.code());
       future->setError(
           makeRpcError(e.code(), peer->name, request.what, 0, e.detail()));
       return future;
     } catch (const std::exception& e) {
+      failedBeforeSending(ErrorCode::kInternal);
       future->setError(makeRpcError(
           ErrorCode::kInternal,
           peer->name,
@@ -330,16 +395,21 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
           describeException(e)));
       return future;
     }
+    countSent(peer->id, message);
 
     auto via = outgoingConnection(*peer);
     PendingCall call;
     call.future = future;
     call.via = via;
     call.peerName = peer->name;
+    call.peerId = peer->id;
     call.what = std::move(request.what);
+    call.stats = &stats;
+    call.sentAt = sentAt;
+    call.traced = traced;
     call.completeOnTransportThread = request.awaitedSynchronously;
     if (request.timeout.count() > 0) {
-      call.deadline = Clock::now() + request.timeout;
+      call.deadline = sentAt + request.timeout;
       call.timeout = request.timeout;
     }
     bool armTimer = false;
@@ -431,11 +501,13 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
   void onMessageFromTransport(
       const std::shared_ptr<AgentConnection>& conn,
       Message&& message) {
+    const Clock::time_point arrived = Clock::now();
     if (agentHeartbeats_) {
       conn->lastHeardNs.store(
-          Clock::now().time_since_epoch().count(),
+          arrived.time_since_epoch().count(),
           std::memory_order_relaxed);
     }
+    const uint64_t bytes = messageBytes(message);
     auto envelope = std::make_shared<wire::Envelope>();
     try {
       codec_.parse(message.header, envelope.get());
@@ -448,18 +520,27 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       });
       return;
     }
+    // Requests are counted once their sender is known (onRequest); on an
+    // outgoing connection the peer is known now.
+    int64_t knownPeer = conn->outgoing
+        ? conn->peer
+        : conn->claimedPeer.load(std::memory_order_relaxed);
+    if (envelope->is_response() || envelope->kind() == kHeartbeatMessageKind ||
+        envelope->kind() == kCancelMessageKind) {
+      countReceived(knownPeer, bytes);
+    }
     if (envelope->kind() == kHeartbeatMessageKind) {
       // Note [Agent heartbeats]: arriving was the point; answer requests.
       if (!envelope->is_response() && !conn->outgoing) {
-        conn->connection->send(
-            codec_.encodeHeartbeat(/*isResponse=*/true),
-            [](const TransportError*) {});
+        Message answer = codec_.encodeHeartbeat(/*isResponse=*/true);
+        countSent(knownPeer, answer);
+        conn->connection->send(std::move(answer), [](const TransportError*) {});
       }
       return;
     }
     if (envelope->is_response() &&
         completesOnTransportThread(conn, envelope->id())) {
-      onResponse(conn, *envelope, std::move(message.tensors));
+      onResponse(conn, *envelope, std::move(message.tensors), arrived);
       return;
     }
     Clock::time_point deadline = Clock::time_point::max();
@@ -470,18 +551,40 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
         return;
       }
     }
+    if (!envelope->is_response() && workersReady_) {
+      auto handler = handlers_.find(envelope->kind());
+      if (handler != handlers_.end() &&
+          handler->second.dispatch == Dispatch::kInline) {
+        onRequest(
+            conn,
+            *envelope,
+            std::move(message.tensors),
+            deadline,
+            Arrival{arrived, bytes});
+        return;
+      }
+    }
     auto tensors =
         std::make_shared<std::vector<at::Tensor>>(std::move(message.tensors));
     std::weak_ptr<AgentImpl> weak = shared_from_this();
-    pool_.run([weak, conn, envelope, tensors, deadline]() {
+    if (!envelope->is_response()) {
+      requestsQueued_.fetch_add(1, std::memory_order_relaxed);
+    }
+    pool_.run([weak, conn, envelope, tensors, deadline, arrived, bytes]() {
       auto self = weak.lock();
       if (!self) {
         return;
       }
       if (envelope->is_response()) {
-        self->onResponse(conn, *envelope, std::move(*tensors));
+        self->onResponse(conn, *envelope, std::move(*tensors), arrived);
       } else {
-        self->onRequest(conn, *envelope, std::move(*tensors), deadline);
+        self->requestsQueued_.fetch_sub(1, std::memory_order_relaxed);
+        self->onRequest(
+            conn,
+            *envelope,
+            std::move(*tensors),
+            deadline,
+            Arrival{arrived, bytes});
       }
     });
   }
@@ -501,9 +604,9 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     // Nothing on this connection can be trusted any more; see CONTRIBUTING.md,
     // errors: close this one pipe, keep serving everyone else.
     malformedMessages_.fetch_add(1);
-    LOG(WARNING) << self_.name << ": closing connection from "
-                 << conn->connection->describe()
-                 << ": message header does not decode: " << reason;
+    TORCHRPC_LOG(kWarning) << self_.name << ": closing connection from "
+                           << conn->connection->describe()
+                           << ": message header does not decode: " << reason;
     conn->closedByUs = true;
     conn->connection->close();
   }
@@ -513,6 +616,9 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       const std::shared_ptr<AgentConnection>& conn,
       uint64_t id,
       Clock::time_point forgetAt) {
+    cancelsReceived_.fetch_add(1, std::memory_order_relaxed);
+    TORCHRPC_LOG(kDebug) << self_.name << ": cancel of request #" << id
+                         << " received from " << conn->connection->describe();
     if (conn->outgoing || forgetAt == Clock::time_point::max()) {
       // Only callers cancel, and only calls that had a timeout; an entry
       // without an end would never be forgotten. Harmless to ignore.
@@ -525,7 +631,8 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       const std::shared_ptr<AgentConnection>& conn,
       const wire::Envelope& envelope,
       std::vector<at::Tensor>&& tensors,
-      Clock::time_point deadline) {
+      Clock::time_point deadline,
+      Arrival arrival) {
     if (conn->outgoing) {
       // Our outgoing connections carry responses only.
       malformedMessages_.fetch_add(1);
@@ -546,6 +653,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     auto handler = handlers_.find(envelope.kind());
     std::string what = labelOf(handler, envelope);
     if (from == nullptr) {
+      // Not counted per peer or label: it came from no worker of the job.
       malformedMessages_.fetch_add(1);
       replyError(
           conn,
@@ -560,7 +668,11 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       int64_t unknown = -1; // a plain load first: most requests find it set
       conn->claimedPeer.compare_exchange_strong(unknown, from->id);
     }
+    countReceived(from->id, arrival.bytes);
+    detail::ServedCounters& served = servedStats_.get(what);
+    served.received.fetch_add(1, std::memory_order_relaxed);
     if (auto cause = lost_.causeOf(from->id)) {
+      served.failed.add(ErrorCode::kWorkerUnavailable);
       replyError(
           conn,
           envelope,
@@ -571,6 +683,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       return;
     }
     if (handler == handlers_.end()) {
+      served.failed.add(ErrorCode::kUnknownFunction);
       replyError(
           conn,
           envelope,
@@ -584,6 +697,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       decoded = codec_.decodeRequest(*from, envelope, std::move(tensors));
     } catch (const std::exception& e) {
       malformedMessages_.fetch_add(1);
+      served.failed.add(ErrorCode::kMalformedMessage);
       replyError(
           conn,
           envelope,
@@ -592,13 +706,20 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
           describeException(std::current_exception()));
       return;
     }
-    serve(conn, handler->second, std::move(decoded), std::move(what), deadline);
+    serve(
+        conn,
+        handler->second,
+        std::move(decoded),
+        std::move(what),
+        deadline,
+        ServedRequest{&served, arrival.at, envelope.traced()});
   }
 
   void onResponse(
       const std::shared_ptr<AgentConnection>& conn,
       const wire::Envelope& envelope,
-      std::vector<at::Tensor>&& tensors) {
+      std::vector<at::Tensor>&& tensors,
+      Clock::time_point arrived) {
     PendingCall call;
     {
       std::lock_guard<std::mutex> guard(mutex_);
@@ -615,6 +736,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
             envelope,
             call.peerName,
             call.what)) {
+      finishCall(call, envelope.id(), detail::errorCodeOf(error), arrived);
       call.future->setError(std::move(error));
       return;
     }
@@ -626,6 +748,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
           std::move(tensors));
     } catch (...) {
       malformedMessages_.fetch_add(1);
+      finishCall(call, envelope.id(), ErrorCode::kMalformedMessage, arrived);
       call.future->setError(makeRpcError(
           ErrorCode::kMalformedMessage,
           call.peerName,
@@ -635,6 +758,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
               describeException(std::current_exception())));
       return;
     }
+    finishCall(call, envelope.id(), ErrorCode::kOk, arrived);
     call.future->markCompleted(std::move(value));
   }
 
@@ -663,6 +787,11 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       }
     }
     Completing completing(*this, failed.size());
+    TORCHRPC_LOG(kDebug) << self_.name << ": "
+                         << (conn->outgoing ? "outgoing" : "incoming")
+                         << " connection " << conn->connection->describe()
+                         << " ended (" << error.detail << "); " << failed.size()
+                         << " calls on it fail";
     ErrorCode code = closed_ ? closeCode_.load() : error.code;
     if (code == ErrorCode::kMalformedMessage) {
       malformedMessages_.fetch_add(1);
@@ -672,6 +801,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
             std::to_string(options_.peerTimeout.count()) + " ms"
         : error.detail;
     for (size_t i = 0; i < failed.size(); ++i) {
+      finishCall(failed[i], failedIds[i], code);
       failed[i].future->setErrorIfNeeded(makeRpcError(
           code,
           failed[i].peerName,
@@ -724,8 +854,8 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       return; // shutting down: recorded for the barriers only
     }
     const WorkerInfo& worker = workers_[id];
-    LOG(WARNING) << self_.name << ": lost worker '" << worker.name << "' (id "
-                 << id << "): " << cause;
+    TORCHRPC_LOG(kWarning) << self_.name << ": lost worker '" << worker.name
+                           << "' (id " << id << "): " << cause;
     std::vector<WorkerLostCallback> callbacks;
     {
       std::lock_guard<std::mutex> guard(lostCallbacksMutex_);
@@ -735,8 +865,9 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       try {
         callback(worker, cause);
       } catch (const std::exception& e) {
-        LOG(WARNING) << self_.name << ": a callback for the loss of '"
-                     << worker.name << "' threw: " << describeException(e);
+        TORCHRPC_LOG(kWarning)
+            << self_.name << ": a callback for the loss of '" << worker.name
+            << "' threw: " << describeException(e);
       }
     }
   }
@@ -779,6 +910,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     workersReadyCv_.notify_all();
     Completing completing(*this, failed.size());
     for (size_t i = 0; i < failed.size(); ++i) {
+      finishCall(failed[i], failedIds[i], code);
       failed[i].future->setErrorIfNeeded(makeRpcError(
           code,
           failed[i].peerName,
@@ -806,6 +938,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     AgentCounters out;
     out.requestsCancelled = requestsCancelled_.load();
     out.responsesDropped = responsesDropped_.load();
+    out.cancelsReceived = cancelsReceived_.load();
     std::lock_guard<std::mutex> guard(mutex_);
     out.pendingCalls = pending_.size();
     out.connections = connections_.size();
@@ -813,6 +946,120 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     out.requestsServed = requestsServed_;
     out.malformedMessages = malformedMessages_.load();
     return out;
+  }
+
+  void collectMetrics(Metrics& out) const {
+    AgentCounters totals = counters();
+    out.worker = self_.name;
+    out.rank = self_.id;
+    out.pendingCalls = totals.pendingCalls;
+    out.requestsSent = totals.requestsSent;
+    out.requestsServed = totals.requestsServed;
+    out.requestsCancelled = totals.requestsCancelled;
+    out.cancelsReceived = totals.cancelsReceived;
+    out.responsesDropped = totals.responsesDropped;
+    out.malformedMessages = totals.malformedMessages;
+    out.requestsQueued = requestsQueued_.load(std::memory_order_relaxed);
+    out.requestsRunning = requestsRunning_.load(std::memory_order_relaxed);
+    callStats_.forEach(
+        [&](const std::string& label, const detail::CallCounters& c) {
+          out.calls.push_back(detail::snapshot(label, c));
+        });
+    servedStats_.forEach(
+        [&](const std::string& label, const detail::ServedCounters& c) {
+          out.served.push_back(detail::snapshot(label, c));
+        });
+    if (workersReady_) {
+      // Pending calls per peer, and the oldest one's age.
+      std::vector<uint64_t> pending(workers_.size(), 0);
+      std::vector<Clock::time_point> oldest(
+          workers_.size(),
+          Clock::time_point::max());
+      {
+        std::lock_guard<std::mutex> guard(mutex_);
+        for (const auto& entry : pending_) {
+          const PendingCall& call = entry.second;
+          if (call.peerId >= 0 &&
+              call.peerId < static_cast<int64_t>(pending.size())) {
+            ++pending[call.peerId];
+            oldest[call.peerId] = std::min(oldest[call.peerId], call.sentAt);
+          }
+        }
+      }
+      const Clock::time_point now = Clock::now();
+      auto lost = lost_.all();
+      for (const auto& worker : workers_) {
+        if (worker.id == self_.id) {
+          continue;
+        }
+        const detail::PeerCounters& c = peerStats_[worker.id];
+        PeerMetrics peer;
+        peer.worker = worker.name;
+        peer.id = worker.id;
+        peer.messagesSent = c.messagesSent.load(std::memory_order_relaxed);
+        peer.bytesSent = c.bytesSent.load(std::memory_order_relaxed);
+        peer.messagesReceived =
+            c.messagesReceived.load(std::memory_order_relaxed);
+        peer.bytesReceived = c.bytesReceived.load(std::memory_order_relaxed);
+        peer.heartbeatMisses =
+            c.heartbeatMisses.load(std::memory_order_relaxed);
+        peer.pendingCalls = pending[worker.id];
+        if (oldest[worker.id] != Clock::time_point::max()) {
+          peer.oldestPendingSeconds =
+              std::chrono::duration<double>(now - oldest[worker.id]).count();
+        }
+        auto it = lost.find(worker.id);
+        if (it != lost.end()) {
+          peer.lostCause = it->second;
+        }
+        out.peers.push_back(std::move(peer));
+      }
+    }
+    TransportStats transport = transport_->stats();
+    out.transport.name = transport_->name();
+    out.transport.zeroCopyBytes = transport.zeroCopyBytes;
+    out.transport.copiedBytes = transport.copiedBytes;
+    out.transport.connectionsOpen = transport.connectionsOpen;
+    out.transport.heartbeatMisses = transport.heartbeatMisses;
+    auto pool = pool_.stats();
+    out.threadPool.threads = pool.threads;
+    out.threadPool.busy = pool.running;
+    out.threadPool.queued = pool.queued;
+    out.threadPool.tasksRun = pool.tasksRun;
+    out.traceEvents = tracer_.events();
+    out.traceEventsDropped = tracer_.dropped();
+  }
+
+  std::vector<std::string> describePendingCalls() const {
+    std::vector<std::pair<Clock::time_point, std::string>> calls;
+    const Clock::time_point now = Clock::now();
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      for (const auto& entry : pending_) {
+        const PendingCall& call = entry.second;
+        double waited =
+            std::chrono::duration<double, std::milli>(now - call.sentAt)
+                .count();
+        char ms[32];
+        std::snprintf(ms, sizeof(ms), "%.1f", waited);
+        calls.emplace_back(
+            call.sentAt,
+            "call #" + std::to_string(entry.first) + " (" + call.what +
+                ") to '" + call.peerName + "' awaits its reply for " + ms +
+                " ms");
+      }
+    }
+    std::sort(calls.begin(), calls.end());
+    std::vector<std::string> out;
+    out.reserve(calls.size());
+    for (auto& call : calls) {
+      out.push_back(std::move(call.second));
+    }
+    return out;
+  }
+
+  Tracer& tracer() {
+    return tracer_;
   }
 
   c10::TaskThreadPoolBase& threadPool() {
@@ -829,6 +1076,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     RequestHandler handler;
     RequestLabel label;
     Cancellation cancellation;
+    Dispatch dispatch;
   };
   using HandlerMap = std::unordered_map<uint32_t, HandlerEntry>;
 
@@ -851,18 +1099,31 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       const HandlerEntry& handler,
       detail::DecodedRequest&& decoded,
       std::string what,
-      Clock::time_point deadline) {
+      Clock::time_point deadline,
+      ServedRequest request) {
     uint64_t id = decoded.request.id;
     uint32_t kind = decoded.request.kind;
     int64_t fromId = decoded.request.from.id;
     if (handler.cancellation == Cancellation::kDropIfQueued &&
         (hasPassed(deadline) || conn->cancelled.take(id))) {
       requestsCancelled_.fetch_add(1);
+      request.stats->cancelled.fetch_add(1, std::memory_order_relaxed);
+      TORCHRPC_LOG(kDebug) << self_.name << ": dropped request #" << id << " ("
+                           << what << ") from '" << workers_.at(fromId).name
+                           << "' unrun: its caller gave up";
       return;
     }
     std::shared_ptr<const RequestScope> scope = std::move(decoded.scope);
     c10::intrusive_ptr<c10::ivalue::Future> result;
+    const Clock::time_point started = Clock::now();
+    request.stats->queueing.record(started - request.arrived);
+    requestsRunning_.fetch_add(1, std::memory_order_relaxed);
+    bool traced = false;
     try {
+      // Note [Tracing]: what a marked request causes here is traced by a
+      // follower; the mark also travels on the handler's nested calls.
+      Tracer::ThreadMark mark(request.marked);
+      traced = tracer_.enabled();
       RequestScopeGuard inScope(scope);
       detail::ServedRequestGuard served({&conn->cancelled, id, deadline});
       result = handler.handler(std::move(decoded.request));
@@ -872,21 +1133,165 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     }
     ++requestsServed_;
     std::weak_ptr<AgentImpl> weak = shared_from_this();
-    result->addCallback(
-        [weak, conn, id, kind, fromId, what = std::move(what), scope, deadline](
-            c10::ivalue::Future& done) {
-          auto self = weak.lock();
-          if (!self) {
-            return;
-          }
-          // Taking the id out also forgets a cancel that came while the
-          // handler ran.
-          if (conn->cancelled.take(id) || hasPassed(deadline)) {
-            self->responsesDropped_.fetch_add(1);
-            return;
-          }
-          self->reply(conn, id, kind, fromId, what, done, scope.get());
-        });
+    result->addCallback([weak,
+                         conn,
+                         id,
+                         kind,
+                         fromId,
+                         what = std::move(what),
+                         scope,
+                         deadline,
+                         request,
+                         started,
+                         traced](c10::ivalue::Future& done) {
+      auto self = weak.lock();
+      if (!self) {
+        return;
+      }
+      self->requestsRunning_.fetch_sub(1, std::memory_order_relaxed);
+      const Clock::time_point handled = Clock::now();
+      request.stats->handling.record(handled - started);
+      if (done.hasError()) {
+        request.stats->failed.add(detail::errorCodeOf(done.exception_ptr()));
+      } else {
+        request.stats->succeeded.fetch_add(1, std::memory_order_relaxed);
+      }
+      // Taking the id out also forgets a cancel that came while the
+      // handler ran.
+      bool dropped = conn->cancelled.take(id) || hasPassed(deadline);
+      // Recorded before the reply leaves (its time is the contract's
+      // t_send_reply): once the caller has the reply, it may stop tracing
+      // or read the trace, and must find the callee's side in it.
+      if (traced) {
+        self->traceServed(
+            fromId,
+            id,
+            what,
+            request,
+            started,
+            handled,
+            dropped ? std::optional<Clock::time_point>() : Clock::now());
+      }
+      if (dropped) {
+        TORCHRPC_LOG(kDebug)
+            << self->self_.name << ": response to request #" << id << " ("
+            << what << ") from '" << self->workers_.at(fromId).name
+            << "' not sent: its caller gave up";
+        self->responsesDropped_.fetch_add(1);
+        request.stats->responsesDropped.fetch_add(1, std::memory_order_relaxed);
+      } else {
+        self->reply(conn, id, kind, fromId, what, done, scope.get());
+      }
+    });
+  }
+
+  // Note [Tracing]: the callee's spans of a served request, in the trace
+  // contract's terms (tools/trace/README.md); `replied` is when the reply
+  // was handed to the transport, unset if none was sent. The exchange span
+  // (rpc.server) only for a request its caller traced (marked): the merge
+  // pairs it with the caller's span, which an unmarked one never has. Its
+  // queueing and handling are this worker's own, and recorded either way.
+  void traceServed(
+      int64_t fromId,
+      uint64_t id,
+      const std::string& what,
+      const ServedRequest& request,
+      Clock::time_point started,
+      Clock::time_point handled,
+      std::optional<Clock::time_point> replied) {
+    const std::string& from = workers_.at(fromId).name;
+    const std::string call = traceCallId(from, id);
+    const Clock::time_point arrived = request.arrived;
+    Clock::time_point end = replied ? *replied : handled;
+    TraceArgs args = {
+        {"call", call},
+        {"from", from},
+        {"fn", what},
+        {"t_recv", Tracer::micros(arrived)}};
+    if (replied) {
+      args.emplace_back("t_send_reply", Tracer::micros(end));
+    } else {
+      args.emplace_back("dropped", std::string("the caller gave up"));
+    }
+    if (request.marked) {
+      tracer_.complete(
+          "rpc.server",
+          what + " <- " + from,
+          arrived,
+          end,
+          std::move(args));
+    }
+    tracer_.complete(
+        "rpc.queue",
+        "queued " + what,
+        arrived,
+        started,
+        {{"call", call}});
+    tracer_.complete("rpc.handler", what, started, handled, {{"call", call}});
+  }
+
+  // Note [Metrics] and [Tracing]: a call taken out of pending_ ends with
+  // `code` (kOk: a value); `replyArrived` when its reply reached the
+  // transport's callback, unset if none came. Runs before its future
+  // completes, so that whoever waits on it then sees it counted.
+  void finishCall(
+      const PendingCall& call,
+      uint64_t id,
+      ErrorCode code,
+      std::optional<Clock::time_point> replyArrived = std::nullopt) {
+    const Clock::time_point now = Clock::now();
+    if (call.stats != nullptr) {
+      if (code == ErrorCode::kOk) {
+        call.stats->succeeded.fetch_add(1, std::memory_order_relaxed);
+      } else {
+        call.stats->failed.add(code);
+      }
+      call.stats->latency.record(now - call.sentAt);
+    }
+    if (!call.traced) {
+      return;
+    }
+    TraceArgs args = {
+        {"call", traceCallId(self_.name, id)},
+        {"to", call.peerName},
+        {"fn", call.what},
+        {"t_send", Tracer::micros(call.sentAt)}};
+    if (replyArrived) {
+      args.emplace_back("t_reply", Tracer::micros(*replyArrived));
+    }
+    if (code != ErrorCode::kOk) {
+      args.emplace_back("error", std::string(errorCodeName(code)));
+    }
+    tracer_.complete(
+        "rpc.client",
+        call.what + " -> " + call.peerName,
+        call.sentAt,
+        now,
+        std::move(args));
+  }
+
+  detail::PeerCounters* peerCounters(int64_t id) {
+    if (!workersReady_ || id < 0 ||
+        id >= static_cast<int64_t>(peerStats_.size())) {
+      return nullptr;
+    }
+    return &peerStats_[id];
+  }
+
+  void countSent(int64_t peer, const Message& message) {
+    if (auto* counters = peerCounters(peer)) {
+      counters->messagesSent.fetch_add(1, std::memory_order_relaxed);
+      counters->bytesSent.fetch_add(
+          messageBytes(message),
+          std::memory_order_relaxed);
+    }
+  }
+
+  void countReceived(int64_t peer, uint64_t bytes) {
+    if (auto* counters = peerCounters(peer)) {
+      counters->messagesReceived.fetch_add(1, std::memory_order_relaxed);
+      counters->bytesReceived.fetch_add(bytes, std::memory_order_relaxed);
+    }
   }
 
   using PendingMap = std::unordered_map<uint64_t, PendingCall>;
@@ -939,6 +1344,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       eraseLocked(it);
     }
     Completing completing(*this, 1);
+    finishCall(call, id, code);
     call.future->setErrorIfNeeded(
         makeRpcError(code, call.peerName, call.what, id, detail));
   }
@@ -972,6 +1378,9 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       }
     }
     auto state = std::make_shared<AgentConnection>();
+    TORCHRPC_LOG(kDebug) << self_.name << ": connecting to '" << peer.name
+                         << "' (id " << peer.id << ") at "
+                         << addresses_.at(peer.id);
     state->connection = transport_->connect(addresses_.at(peer.id));
     state->outgoing = true;
     state->peer = peer.id;
@@ -1002,6 +1411,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
         what,
         mapFor(responseMaps_, fromId),
         request);
+    countSent(fromId, message);
     conn->connection->send(std::move(message), [](const TransportError*) {
       // The caller learns of a lost reply through its own connection.
     });
@@ -1019,6 +1429,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
         request.kind(),
         makeRpcError(code, "", what, 0, detail),
         what);
+    countSent(conn->claimedPeer.load(std::memory_order_relaxed), message);
     conn->connection->send(std::move(message), [](const TransportError*) {});
   }
 
@@ -1092,8 +1503,10 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     }
     for (size_t i = 0; i < expired.size(); ++i) {
       auto& call = expired[i];
-      LOG(WARNING) << self_.name << " -> " << call.peerName << " call #"
-                   << expiredIds[i] << " (" << call.what << ") timed out";
+      TORCHRPC_LOG(kWarning)
+          << self_.name << " -> " << call.peerName << " call #" << expiredIds[i]
+          << " (" << call.what << ") timed out";
+      finishCall(call, expiredIds[i], ErrorCode::kTimeout);
       call.future->setErrorIfNeeded(makeRpcError(
           ErrorCode::kTimeout,
           call.peerName,
@@ -1142,6 +1555,11 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
         std::chrono::nanoseconds(options_.heartbeatInterval).count();
     for (const auto& conn : outgoing) {
       int64_t heard = conn->lastHeardNs.load(std::memory_order_relaxed);
+      if (heard != 0 && now - heard > interval) {
+        if (auto* counters = peerCounters(conn->peer)) {
+          counters->heartbeatMisses.fetch_add(1, std::memory_order_relaxed);
+        }
+      }
       if (heard != 0 && now - heard > limit) {
         conn->silent = true;
         conn->connection->close();
@@ -1154,9 +1572,9 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
         // connection's answer to the last ping is about one tick old.)
         continue;
       }
-      conn->connection->send(
-          codec_.encodeHeartbeat(/*isResponse=*/false),
-          [](const TransportError*) {});
+      Message ping = codec_.encodeHeartbeat(/*isResponse=*/false);
+      countSent(conn->peer, ping);
+      conn->connection->send(std::move(ping), [](const TransportError*) {});
     }
   }
 
@@ -1165,10 +1583,12 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     try {
       message = codec_.encodeCancel(id, call.timeout);
     } catch (const std::exception& e) {
-      LOG(WARNING) << self_.name << ": cannot encode the cancel of call #" << id
-                   << ": " << e.what();
+      TORCHRPC_LOG(kWarning)
+          << self_.name << ": cannot encode the cancel of call #" << id << ": "
+          << e.what();
       return;
     }
+    countSent(call.peerId, message);
     call.via->connection->send(std::move(message), [](const TransportError*) {
     });
   }
@@ -1180,6 +1600,17 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
   std::unique_ptr<Transport> transport_;
   // Hooks and extensions are added before listen(); read-only afterwards.
   detail::MessageCodec codec_;
+  Tracer tracer_;
+  // Note [Metrics].
+  mutable detail::LabelledCounters<detail::CallCounters> callStats_{
+      kMaxCallLabels};
+  mutable detail::LabelledCounters<detail::ServedCounters> servedStats_{
+      kMaxServedLabels};
+  // By worker id; sized by setWorkers() before workersReady_ is set.
+  std::vector<detail::PeerCounters> peerStats_;
+  std::atomic<uint64_t> cancelsReceived_{0};
+  std::atomic<uint64_t> requestsQueued_{0};
+  std::atomic<uint64_t> requestsRunning_{0};
 
   // Written before listen(), read-only afterwards.
   HandlerMap handlers_;
@@ -1258,13 +1689,15 @@ void Agent::registerHandler(
     std::string name,
     RequestHandler handler,
     RequestLabel label,
-    Cancellation cancellation) {
+    Cancellation cancellation,
+    Dispatch dispatch) {
   impl_->registerHandler(
       kind,
       std::move(name),
       std::move(handler),
       label,
-      cancellation);
+      cancellation,
+      dispatch);
 }
 
 void Agent::addHook(MessageHook hook) {
@@ -1324,6 +1757,18 @@ void Agent::join() {
 
 AgentCounters Agent::counters() const {
   return impl_->counters();
+}
+
+void Agent::collectMetrics(Metrics& out) const {
+  impl_->collectMetrics(out);
+}
+
+std::vector<std::string> Agent::describePendingCalls() const {
+  return impl_->describePendingCalls();
+}
+
+Tracer& Agent::tracer() {
+  return impl_->tracer();
 }
 
 c10::TaskThreadPoolBase& Agent::threadPool() {

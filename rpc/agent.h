@@ -27,6 +27,9 @@ class TaskThreadPoolBase;
 namespace torchrpc {
 namespace rpc {
 
+struct Metrics;
+class Tracer;
+
 // Counters, readable by tests and metrics.
 struct AgentCounters {
   size_t pendingCalls = 0;
@@ -38,6 +41,8 @@ struct AgentCounters {
   uint64_t requestsCancelled = 0;
   // Responses not sent because their caller had given up by then.
   uint64_t responsesDropped = 0;
+  // Cancel messages received (Note [Cancelled requests] in agent.cpp).
+  uint64_t cancelsReceived = 0;
   uint64_t malformedMessages = 0;
 };
 
@@ -68,13 +73,15 @@ class Agent {
   // Registration; only before start(). Throws c10::Error for a duplicate
   // kind (or kCancelMessageKind, which the agent handles), hook name or
   // extension kind. `label` says how errors name a request of this kind;
-  // `cancellation` what happens to one whose caller gave up on it.
+  // `cancellation` what happens to one whose caller gave up on it;
+  // `dispatch` which thread runs the handler.
   void registerHandler(
       uint32_t kind,
       std::string name,
       RequestHandler handler,
       RequestLabel label = RequestLabel::kHandlerName,
-      Cancellation cancellation = Cancellation::kRunAnyway);
+      Cancellation cancellation = Cancellation::kRunAnyway,
+      Dispatch dispatch = Dispatch::kPool);
   void addHook(MessageHook hook);
   void addValueExtension(ValueExtension extension);
 
@@ -124,6 +131,19 @@ class Agent {
   void join();
 
   AgentCounters counters() const;
+
+  // Fills everything rpc/ knows of Metrics (Note [Metrics] in
+  // rpc/metrics.h): totals, calls and served requests per function, peers,
+  // transport, pool, tracing. Layers add theirs (Runtime::metrics()).
+  void collectMetrics(Metrics& out) const;
+
+  // One line per call awaiting a reply: to whom, which function, message
+  // id, for how long; the longest-waiting first. For Runtime::hangReport().
+  std::vector<std::string> describePendingCalls() const;
+
+  // This worker's tracer (rpc/tracing.h); the agent records calls and
+  // requests in it, layers their own spans.
+  Tracer& tracer();
 
   // The pool that runs handlers; upper layers may run their work on it.
   c10::TaskThreadPoolBase& threadPool();

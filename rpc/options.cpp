@@ -98,6 +98,39 @@ Options Options::fromEnvironment() {
   if (const char* storeAddress = std::getenv("TORCHRPC_STORE_LISTEN_ADDR")) {
     options.storeListenAddress = storeAddress;
   }
+  if (const char* directory = env("TORCHRPC_TRACE_DIR")) {
+    options.traceDirectory = directory;
+  }
+  if (const char* window = env("TORCHRPC_TRACE_STEPS")) {
+    // "first:count", or "count" for the first `count` steps.
+    std::string text = window;
+    auto colon = text.find(':');
+    std::string first =
+        colon == std::string::npos ? "0" : text.substr(0, colon);
+    std::string count =
+        colon == std::string::npos ? text : text.substr(colon + 1);
+    char* end1 = nullptr;
+    char* end2 = nullptr;
+    long long f = std::strtoll(first.c_str(), &end1, 10);
+    long long c = std::strtoll(count.c_str(), &end2, 10);
+    TORCH_CHECK(
+        !first.empty() && !count.empty() && *end1 == '\0' && *end2 == '\0' &&
+            f >= 0 && c > 0,
+        "TORCHRPC_TRACE_STEPS must be 'first:count' (or 'count') with "
+        "first >= 0 and count > 0, got '",
+        window,
+        "'");
+    options.traceFirstStep = f;
+    options.traceStepCount = c;
+  }
+  int64_t maxEvents = envInt(
+      "TORCHRPC_TRACE_MAX_EVENTS",
+      static_cast<int64_t>(options.traceMaxEvents));
+  TORCH_CHECK(maxEvents >= 0, "TORCHRPC_TRACE_MAX_EVENTS must not be negative");
+  options.traceMaxEvents = static_cast<size_t>(maxEvents);
+  if (const char* metrics = env("TORCHRPC_METRICS_ADDR")) {
+    options.metricsAddress = metrics;
+  }
   return options;
 }
 

@@ -141,13 +141,34 @@ struct Options {
   // Let callers run dispatcher operators by schema name ("aten::add.Tensor").
   bool allowBuiltinOperators = true;
 
+  // ---- seeing inside a running job (README "Observing a job") ----------
+  // When set, the worker traces (Note [Tracing] in rpc/tracing.h) and
+  // writes <traceDirectory>/<worker name>.trace.json when it shuts down;
+  // tools/trace merges the workers' files. Empty: no tracing unless the
+  // program starts it (Runtime::tracer()).
+  std::string traceDirectory;
+  // With traceDirectory: trace only the steps [first, first + count) of the
+  // workers that count steps (Runtime::step()), and on the others what
+  // those steps' requests cause. Count 0: the whole run.
+  int64_t traceFirstStep = 0;
+  int64_t traceStepCount = 0;
+  // Events a worker's trace keeps; later ones are counted as dropped.
+  size_t traceMaxEvents = 1000000;
+  // When set, the worker serves its metrics in Prometheus' text format at
+  // http://<metricsAddress>/metrics: "host:port", port 0 for any free one
+  // (Runtime::metricsAddress() says which). Empty: no endpoint. Bind it
+  // where only the monitoring can reach: it does not ask for the secret.
+  std::string metricsAddress;
+
   // Reads the launcher's identity variables into `launch`, rank and
   // worldSize (torchrun's, else Open MPI's, else Slurm's; see Note [Launch
   // environment]), then TORCHRPC_INIT_METHOD, TORCHRPC_LISTEN_ADDR,
   // TORCHRPC_NUM_THREADS, TORCHRPC_TIMEOUT_MS, TORCHRPC_SPIN_US,
   // TORCHRPC_TRANSPORT ("tcp", "tensorpipe", "tensorpipe-shm"),
   // TORCHRPC_SHARED_SECRET, TORCHRPC_PEER_TIMEOUT_MS,
-  // TORCHRPC_RENDEZVOUS_TIMEOUT_MS and TORCHRPC_STORE_LISTEN_ADDR. With no
+  // TORCHRPC_RENDEZVOUS_TIMEOUT_MS, TORCHRPC_STORE_LISTEN_ADDR,
+  // TORCHRPC_TRACE_DIR, TORCHRPC_TRACE_STEPS ("first:count"),
+  // TORCHRPC_TRACE_MAX_EVENTS and TORCHRPC_METRICS_ADDR. With no
   // launcher's variables, rank 0 of 1. Throws c10::Error naming the variable
   // (and launcher) that is missing or malformed.
   static Options fromEnvironment();

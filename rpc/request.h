@@ -32,6 +32,9 @@ constexpr uint32_t kCancelMessageKind = 2;
 // connection, answered at once on the transport thread. No handler may be
 // registered for it.
 constexpr uint32_t kHeartbeatMessageKind = 3;
+// Runtime::gatherHangReport(): "what are you waiting for?", answered with
+// the callee's Runtime::hangReport() text.
+constexpr uint32_t kHangReportMessageKind = 4;
 
 // An incoming request, as a handler sees it.
 struct Request {
@@ -75,6 +78,18 @@ enum class Cancellation {
   // carries are accounted for) but the handler never runs. For calls whose
   // only purpose is their answer.
   kDropIfQueued,
+};
+
+// Where the callee runs a kind's handler.
+enum class Dispatch {
+  // On the agent's thread pool: handlers may block, and many may run.
+  kPool,
+  // On the transport's thread, as the request arrives: no hand-off, and an
+  // answer even while every pool thread is blocked (a hang report must get
+  // through exactly then). Only for handlers that never block and finish in
+  // microseconds; the connection's other messages wait meanwhile. Requests
+  // that arrive before the agent knows the job's workers go to the pool.
+  kInline,
 };
 
 // A request to send.

@@ -6,10 +6,16 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <algorithm>
+#include <tuple>
+#include <utility>
 
 #include "torchrpc/rpc/detail/call_handler.h"
 #include "torchrpc/rpc/detail/logging.h"
+#include "torchrpc/rpc/detail/metrics_http_server.h"
 #include "torchrpc/rpc/detail/rendezvous.h"
+#include "torchrpc/rpc/log_level.h"
+#include "torchrpc/rpc/metrics.h"
+#include "torchrpc/rpc/tracing.h"
 #include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
 #include "torchrpc/rpc/transport/tcp/tcp_transport.h"
 #include "torchrpc/rpc/transport/tensorpipe/tensorpipe_transport.h"
@@ -84,7 +90,36 @@ std::unique_ptr<Transport> makeTransport(
   return std::make_unique<detail::TensorPipeTransport>(std::move(tp));
 }
 
+// Options::metricsAddress as host and port; throws c10::Error naming the
+// option. "[v6]:port" for IPv6 literals.
+std::pair<std::string, uint16_t> parseMetricsAddress(
+    const std::string& address) {
+  auto colon = address.rfind(':');
+  TORCH_CHECK(
+      colon != std::string::npos && colon > 0 && colon + 1 < address.size(),
+      "Options::metricsAddress (TORCHRPC_METRICS_ADDR) must be host:port, "
+      "not '",
+      address,
+      "'");
+  std::string host = address.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  std::string digits = address.substr(colon + 1);
+  TORCH_CHECK(
+      digits.size() <= 5 &&
+          digits.find_first_not_of("0123456789") == std::string::npos &&
+          std::stoi(digits) <= 65535,
+      "Options::metricsAddress (TORCHRPC_METRICS_ADDR) has no valid port: '",
+      address,
+      "'");
+  return {host, static_cast<uint16_t>(std::stoi(digits))};
+}
+
 void validateOptions(const Options& options) {
+  if (!options.metricsAddress.empty()) {
+    parseMetricsAddress(options.metricsAddress);
+  }
   TORCH_CHECK(
       options.worldSize >= 1,
       "worldSize must be at least 1, got ",
@@ -120,7 +155,8 @@ void validateOptions(const Options& options) {
 
 Runtime::Runtime(std::string name, Options options)
     : self_{std::move(name), options.rank},
-      options_(std::move(options)) {
+      options_(std::move(options)),
+      createdAt_(Clock::now()) {
   detail::initLoggingOnce();
   detail::validateWorkerName(self_.name);
   validateOptions(options_);
@@ -129,6 +165,19 @@ Runtime::Runtime(std::string name, Options options)
       options_,
       makeTransport(self_.name, options_));
   registerCallHandler();
+  registerHangReportHandler();
+  if (!options_.traceDirectory.empty()) {
+    // Note [Tracing]: a window traces the steps this worker counts, and on
+    // every worker what the window's marked requests cause.
+    if (options_.traceStepCount > 0) {
+      agent_->tracer().traceSteps(
+          options_.traceFirstStep,
+          options_.traceStepCount);
+      agent_->tracer().follow(true);
+    } else {
+      agent_->tracer().start();
+    }
+  }
   // First, so that the layers have let go of a lost worker before the
   // application hears of it. layers_ is fixed once the agent serves.
   agent_->onWorkerLost(
@@ -137,9 +186,10 @@ Runtime::Runtime(std::string name, Options options)
           try {
             layer->workerLost(worker, cause);
           } catch (const std::exception& e) {
-            LOG(WARNING) << self_.name << ": layer '" << layer->name()
-                         << "' failed to drop lost worker '" << worker.name
-                         << "': " << describeException(e);
+            TORCHRPC_LOG(kWarning)
+                << self_.name << ": layer '" << layer->name()
+                << "' failed to drop lost worker '" << worker.name
+                << "': " << describeException(e);
           }
         }
       });
@@ -160,8 +210,8 @@ std::vector<Runtime::LostWorker> Runtime::lostWorkers() const {
 
 Runtime::~Runtime() {
   if (state_ == State::kRunning) {
-    LOG(WARNING) << self_.name
-                 << ": runtime destroyed while running; shutting down now";
+    TORCHRPC_LOG(kWarning)
+        << self_.name << ": runtime destroyed while running; shutting down now";
   }
   shutdown(/*graceful=*/false);
 }
@@ -178,6 +228,23 @@ void Runtime::registerCallHandler() {
       // A call exists for its answer: once its caller gave up, running it
       // only keeps a thread from calls someone waits for.
       Cancellation::kDropIfQueued);
+}
+
+void Runtime::registerHangReportHandler() {
+  agent_->registerHandler(
+      kHangReportMessageKind,
+      "hang report",
+      [this](Request&&) {
+        auto future =
+            c10::make_intrusive<c10::ivalue::Future>(c10::StringType::get());
+        future->markCompleted(hangReport());
+        return future;
+      },
+      RequestLabel::kHandlerName,
+      Cancellation::kDropIfQueued,
+      // It must answer when every pool thread is stuck: that is when it is
+      // asked for.
+      Dispatch::kInline);
 }
 
 void Runtime::addLayer(std::shared_ptr<RuntimeLayer> layer) {
@@ -250,6 +317,134 @@ void Runtime::start() {
   }
   store_ = std::move(store);
   state_ = State::kRunning;
+  startObservability();
+}
+
+void Runtime::startObservability() {
+  if (options_.metricsAddress.empty()) {
+    return;
+  }
+  const std::string& address = options_.metricsAddress;
+  detail::MetricsHttpServerOptions http;
+  std::tie(http.host, http.port) = parseMetricsAddress(address);
+  http.name = self_.name;
+  try {
+    metricsServer_ = std::make_unique<detail::MetricsHttpServer>(
+        http,
+        [this]() { return formatPrometheus(metrics()); });
+  } catch (...) {
+    // start() has met every worker by now: failing it would strand them.
+    // An endpoint that cannot bind (its port taken) is reported, and the
+    // job runs without it.
+    TORCHRPC_LOG(kWarning) << self_.name << ": cannot serve metrics at "
+                           << address << ": "
+                           << describeException(std::current_exception());
+    return;
+  }
+  TORCHRPC_LOG(kInfo) << self_.name << ": metrics at http://"
+                      << metricsServer_->address() << "/metrics";
+}
+
+Metrics Runtime::metrics() const {
+  Metrics out;
+  agent_->collectMetrics(out);
+  out.uptimeSeconds =
+      std::chrono::duration<double>(Clock::now() - createdAt_).count();
+  for (const auto& layer : layers_) {
+    LayerMetrics metrics;
+    metrics.layer = layer->name();
+    try {
+      layer->reportMetrics(metrics);
+    } catch (const std::exception& e) {
+      metrics.values.clear();
+      TORCHRPC_LOG(kWarning)
+          << self_.name << ": layer '" << layer->name()
+          << "' failed to report metrics: " << describeException(e);
+    }
+    out.layers.push_back(std::move(metrics));
+  }
+  return out;
+}
+
+std::string Runtime::metricsText() const {
+  return formatMetricsText(metrics());
+}
+
+std::string Runtime::metricsAddress() const {
+  return metricsServer_ ? metricsServer_->address() : std::string();
+}
+
+Tracer& Runtime::tracer() {
+  return agent_->tracer();
+}
+
+void Runtime::step() {
+  agent_->tracer().step();
+}
+
+std::string Runtime::hangReport() const {
+  std::vector<std::string> lines = agent_->describePendingCalls();
+  for (const auto& layer : layers_) {
+    std::vector<std::string> waits;
+    try {
+      layer->describeWaits(waits);
+    } catch (const std::exception& e) {
+      waits = {
+          "(layer '" + layer->name() +
+          "' failed to describe its waits: " + describeException(e) + ")"};
+    }
+    for (auto& wait : waits) {
+      lines.push_back(layer->name() + ": " + std::move(wait));
+    }
+  }
+  std::string out = "'" + self_.name + "' (rank " + std::to_string(rank()) +
+      ")" + (lines.empty() ? " waits for nothing\n" : " waits for:\n");
+  for (const auto& line : lines) {
+    out += "  " + line + "\n";
+  }
+  return out;
+}
+
+std::string Runtime::gatherHangReport(std::chrono::milliseconds timeout) {
+  TORCH_CHECK(
+      timeout.count() > 0,
+      "gatherHangReport() needs a positive timeout: a hung worker must not "
+      "hang the report too");
+  std::string out = hangReport();
+  if (state_ != State::kRunning) {
+    return out;
+  }
+  std::vector<
+      std::pair<const WorkerInfo*, c10::intrusive_ptr<c10::ivalue::Future>>>
+      asked;
+  for (const auto& worker : agent_->workers()) {
+    if (worker.id == self_.id) {
+      continue;
+    }
+    if (auto cause = agent_->lostCause(worker.id)) {
+      out += "'" + worker.name + "' was lost: " + *cause + "\n";
+      continue;
+    }
+    OutgoingRequest request;
+    request.kind = kHangReportMessageKind;
+    request.what = "hang report";
+    request.timeout = timeout;
+    asked.emplace_back(&worker, agent_->send(worker.id, std::move(request)));
+  }
+  for (auto& entry : asked) {
+    auto& future = entry.second;
+    future->wait();
+    if (future->hasError()) {
+      out += "'" + entry.first->name +
+          "' did not answer: " + describeException(future->exception_ptr()) +
+          "\n";
+    } else if (future->value().isString()) {
+      out += future->value().toStringRef();
+    } else {
+      out += "'" + entry.first->name + "' answered with no report\n";
+    }
+  }
+  return out;
 }
 
 const std::vector<WorkerInfo>& Runtime::workers() const {
@@ -301,19 +496,30 @@ bool Runtime::shutdown(bool graceful) {
         rendezvous.barrier("shutdown/closing", deadline, isLost) &&
         rendezvous.leave(deadline, isLost);
     if (!clean) {
-      LOG(WARNING) << self_.name
-                   << ": graceful shutdown did not complete within "
-                   << options_.shutdownTimeout.count()
-                   << " ms; shutting down immediately";
+      TORCHRPC_LOG(kWarning)
+          << self_.name << ": graceful shutdown did not complete within "
+          << options_.shutdownTimeout.count()
+          << " ms; shutting down immediately";
     }
   }
   closeAgentAndLayers();
   store_.reset();
   state_ = State::kShutDown;
+  if (!options_.traceDirectory.empty()) {
+    try {
+      std::string path = agent_->tracer().write(options_.traceDirectory);
+      TORCHRPC_LOG(kInfo) << self_.name << ": trace written to " << path;
+    } catch (const std::exception& e) {
+      TORCHRPC_LOG(kWarning) << self_.name << ": " << describeException(e);
+    }
+  }
   return clean;
 }
 
 void Runtime::closeAgentAndLayers() {
+  if (metricsServer_) {
+    metricsServer_->close();
+  }
   agent_->close(ErrorCode::kShuttingDown);
   agent_->join();
   for (const auto& layer : layers_) {

@@ -23,6 +23,11 @@ namespace torchrpc {
 namespace rpc {
 
 class Runtime;
+struct Metrics;
+class Tracer;
+namespace detail {
+class MetricsHttpServer;
+} // namespace detail
 
 // Issues calls with per-call settings: `rt.withTimeout(100ms).rpcSync<R>(...)`.
 // A cheap value; it refers to the runtime, which must outlive it.
@@ -203,11 +208,41 @@ class Runtime {
     return state_ == State::kRunning;
   }
 
+  // ---- seeing inside a running job (README "Observing a job") ----------
+
+  // Everything this worker can tell about itself now (Note [Metrics] in
+  // rpc/metrics.h): calls, served requests, peers, transport, pool, and
+  // every layer's tables. Any thread, any time.
+  Metrics metrics() const;
+  // The same as text for people (formatMetricsText()).
+  std::string metricsText() const;
+  // Where this worker serves its metrics over HTTP ("host:port", the port
+  // as bound), when Options::metricsAddress asked for it; empty otherwise.
+  // Valid after start().
+  std::string metricsAddress() const;
+
+  // This worker's tracer (Note [Tracing] in rpc/tracing.h).
+  Tracer& tracer();
+  // Marks the end of a training step, for trace windows
+  // (Options::traceSteps). DistributedOptimizer::step() calls it.
+  void step();
+
+  // What this worker waits for now, one line each: calls awaiting replies
+  // (to whom, which function, for how long) and each layer's waits (e.g.
+  // gradients that have not arrived, from whom, for which recv).
+  std::string hangReport() const;
+  // This worker's hang report and every other worker's, asked for at once
+  // and gathered within `timeout`; a worker that does not answer in time
+  // is named as such. Never throws for an unreachable worker.
+  std::string gatherHangReport(std::chrono::milliseconds timeout);
+
  private:
   friend class Caller;
   enum class State { kCreated, kRunning, kShutDown };
 
   void registerCallHandler();
+  void registerHangReportHandler();
+  void startObservability();
   void closeAgentAndLayers();
 
   const WorkerInfo self_;
@@ -216,6 +251,8 @@ class Runtime {
   std::unique_ptr<Agent> agent_;
   std::vector<std::shared_ptr<RuntimeLayer>> layers_;
   std::shared_ptr<struct RuntimeStore> store_;
+  std::unique_ptr<detail::MetricsHttpServer> metricsServer_;
+  const std::chrono::steady_clock::time_point createdAt_;
   std::mutex lifecycleMutex_;
   std::atomic<State> state_{State::kCreated};
 };

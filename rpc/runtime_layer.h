@@ -2,7 +2,9 @@
 
 #include <chrono>
 #include <string>
+#include <vector>
 
+#include "torchrpc/rpc/metrics.h"
 #include "torchrpc/rpc/worker_info.h"
 
 namespace torchrpc {
@@ -41,6 +43,16 @@ class RuntimeLayer {
   // every table. The layer must not use the agent from now on; the agent
   // object itself stays valid until the Runtime is destroyed.
   virtual void closed() {}
+
+  // Adds this layer's figures (its tables' sizes, what it has done) to the
+  // worker's metrics (Note [Metrics] in rpc/metrics.h). Any thread; must not
+  // block on other workers.
+  virtual void reportMetrics(LayerMetrics& /*out*/) const {}
+
+  // What this layer waits for now, one line each (e.g. gradients that have
+  // not arrived, and from whom), for Runtime::hangReport(). Any thread;
+  // must not block on other workers.
+  virtual void describeWaits(std::vector<std::string>& /*out*/) const {}
 };
 
 } // namespace rpc

@@ -8,6 +8,7 @@
 #include <c10/util/Logging.h>
 
 #include "proto/rref/rref.pb.h"
+#include "torchrpc/rpc/log_level.h"
 #include "torchrpc/rref/detail/context_internals.h"
 #include "torchrpc/rref/detail/records.h"
 #include "torchrpc/rref/rref_handle.h"
@@ -151,6 +152,82 @@ RRefCounters RRefContext::counters() const {
   return countersLocked();
 }
 
+void RRefContext::reportMetrics(rpc::LayerMetrics& out) const {
+  RRefCounters c = counters();
+  using Kind = rpc::LayerValue::Kind;
+  out.values = {
+      {"owned",
+       "RRefs owned here that forks refer to.",
+       Kind::kGauge,
+       static_cast<double>(c.ownerRRefs)},
+      {"user_forks",
+       "Forks held here until their deletion is acknowledged.",
+       Kind::kGauge,
+       static_cast<double>(c.userRRefs)},
+      {"pending_forks",
+       "Forks handed on here that the owner has not registered yet.",
+       Kind::kGauge,
+       static_cast<double>(c.pendingForks)},
+      {"pending_confirmations",
+       "Forks held here that the owner has not confirmed yet.",
+       Kind::kGauge,
+       static_cast<double>(c.pendingConfirmations)},
+      {"tombstones",
+       "Deletions that came before their RRef existed.",
+       Kind::kGauge,
+       static_cast<double>(c.tombstones)},
+  };
+}
+
+void RRefContext::describeWaits(std::vector<std::string>& out) const {
+  // Enough to see what is stuck; the counts say how much more there is.
+  constexpr size_t kMaxLines = 32;
+  const auto& workers = agent_.workers();
+  auto nameOf = [&](int64_t id) {
+    return id >= 0 && id < static_cast<int64_t>(workers.size())
+        ? "'" + workers[id].name + "'"
+        : "worker " + std::to_string(id);
+  };
+  std::vector<std::string> lines;
+  size_t more = 0;
+  auto add = [&](std::string line) {
+    if (lines.size() < kMaxLines) {
+      lines.push_back(std::move(line));
+    } else {
+      ++more;
+    }
+  };
+  std::lock_guard<std::mutex> guard(mutex_);
+  for (const auto& entry : userForks_) {
+    const auto& fork = entry.second;
+    if (!fork->confirmed.load() && fork->owner >= 0) {
+      add("fork " + fork->fork.toString() + " of RRef " +
+          fork->rref.toString() + " awaits its confirmation by the owner " +
+          nameOf(fork->owner));
+    }
+  }
+  for (const auto& entry : pendingChildren_) {
+    const auto& parent = entry.second.parent;
+    add("fork " + entry.first.toString() + " of RRef " +
+        (parent ? parent->rref.toString() : std::string("?")) + ", handed to " +
+        nameOf(entry.second.to) + ", awaits its registration by the owner " +
+        (parent ? nameOf(parent->owner) : std::string("?")));
+  }
+  for (const auto& entry : deletions_) {
+    if (entry.second.inFlight) {
+      add("a deletion of forks awaits its answer from the owner " +
+          nameOf(entry.first) + " (" +
+          std::to_string(entry.second.queued.size()) + " more queued)");
+    }
+  }
+  for (auto& line : lines) {
+    out.push_back(std::move(line));
+  }
+  if (more > 0) {
+    out.push_back("... and " + std::to_string(more) + " more");
+  }
+}
+
 RRefCounters RRefContext::leftAtClose() const {
   std::lock_guard<std::mutex> guard(mutex_);
   return leftAtClose_;
@@ -195,8 +272,9 @@ bool RRefContext::release(std::chrono::steady_clock::time_point deadline) {
     return userForks_.empty();
   });
   if (!done) {
-    LOG(WARNING) << self_.name << ": " << userForks_.size()
-                 << " RRef forks were not released before the deadline";
+    TORCHRPC_LOG(kWarning)
+        << self_.name << ": " << userForks_.size()
+        << " RRef forks were not released before the deadline";
   }
   return done;
 }

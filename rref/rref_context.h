@@ -199,6 +199,10 @@ class RRefContext : public rpc::RuntimeLayer,
   void workerLost(const rpc::WorkerInfo& worker, const std::string& cause)
       override;
   void closed() override;
+  // The tables' sizes (RRefCounters) and the messages in flight.
+  void reportMetrics(rpc::LayerMetrics& out) const override;
+  // Forks and confirmations this worker waits for, and from whom.
+  void describeWaits(std::vector<std::string>& out) const override;
 
   // Called by a user handle's destructor.
   void userHandleGone(const std::shared_ptr<detail::UserFork>& fork);

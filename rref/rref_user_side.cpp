@@ -9,6 +9,7 @@
 #include <mutex>
 
 #include "proto/rref/rref.pb.h"
+#include "torchrpc/rpc/log_level.h"
 #include "torchrpc/rref/detail/context_internals.h"
 #include "torchrpc/rref/detail/records.h"
 #include "torchrpc/rref/rref_handle.h"
@@ -433,9 +434,10 @@ void RRefContext::forkConfirmed(
     }
   }
   if (!fork->creation && error) {
-    LOG(WARNING) << self_.name << ": the owner did not register fork "
-                 << fork->fork.toString() << " of " << describe(fork->rref)
-                 << ": " << rpc::describeException(error);
+    TORCHRPC_LOG(kWarning) << self_.name << ": the owner did not register fork "
+                           << fork->fork.toString() << " of "
+                           << describe(fork->rref) << ": "
+                           << rpc::describeException(error);
   }
   if (error) {
     fork->confirmation->setError(error);
@@ -545,9 +547,14 @@ void RRefContext::sendDeleteBatch(
       return;
     }
     if (done.hasError()) {
-      VLOG(1) << self->self_.name << ": deleting " << batch.size()
-              << " forks on worker " << owner
-              << " failed: " << rpc::describeException(done.exception_ptr());
+      TORCHRPC_LOG(kDebug) << self->self_.name << ": deleting " << batch.size()
+                           << " forks on worker " << owner << " failed: "
+                           << rpc::describeException(done.exception_ptr());
+    } else {
+      TORCHRPC_LOG(kDebug) << self->self_.name << ": deleted " << batch.size()
+                           << " forks on worker " << owner << " (first "
+                           << batch.front()->fork.toString() << " of RRef "
+                           << batch.front()->rref.toString() << ")";
     }
     for (const auto& fork : batch) {
       self->eraseUserFork(fork->fork);

@@ -14,6 +14,7 @@
 #include "torchrpc/autograd/messages.h"
 #include "torchrpc/rpc/errors.h"
 #include "torchrpc/rpc/future.h"
+#include "torchrpc/rpc/tracing.h"
 #include "torchrpc/rref/rref.h"
 
 namespace torchrpc {
@@ -179,7 +180,8 @@ std::shared_ptr<LocalBackward> DistEngine::findOrCreatePass(
         if (auto context = weakContext.lock()) {
           context->accumulateGradients(std::move(leaves));
         }
-      });
+      },
+      &agent_.tracer());
   *weakPass = pass;
   if (holdsDeliveries) {
     pass->holdDeliveries();
@@ -333,6 +335,29 @@ FuturePtr DistEngine::backward(
     throw;
   }
   discoverThenRun(driven, pass, context, reached);
+  rpc::Tracer& tracer = agent_.tracer();
+  if (tracer.enabled()) {
+    // Note [Tracing]: the whole pass, as its driver saw it.
+    auto startedAt = driven->startedAt;
+    std::string name = "backward (context " + std::to_string(contextId) +
+        ", pass " + std::to_string(driven->passId) + ")";
+    int64_t passId = driven->passId;
+    driven->result->addCallback([&tracer, startedAt, name, contextId, passId](
+                                    c10::ivalue::Future& done) {
+      rpc::TraceArgs args = {{"context", contextId}, {"pass", passId}};
+      if (done.hasError()) {
+        args.emplace_back(
+            "error",
+            rpc::describeException(done.exception_ptr()));
+      }
+      tracer.complete(
+          "autograd.pass",
+          name,
+          startedAt,
+          std::chrono::steady_clock::now(),
+          std::move(args));
+    });
+  }
   return driven->result;
 }
 
@@ -487,6 +512,21 @@ FuturePtr DistEngine::discover(
   return found;
 }
 
+namespace {
+
+// The id of the trace flow from the gradients of recv #messageId to the
+// send that receives them (tools/trace/README.md, flows): unique in the job,
+// as context, pass and message ids are.
+std::string gradientFlowId(
+    int64_t contextId,
+    int64_t passId,
+    int64_t messageId) {
+  return "grad/" + std::to_string(contextId) + "/" + std::to_string(passId) +
+      "/" + std::to_string(messageId);
+}
+
+} // namespace
+
 void DistEngine::sendGradients(
     int64_t contextId,
     const std::shared_ptr<LocalBackward>& pass,
@@ -510,6 +550,14 @@ void DistEngine::sendGradients(
   int64_t messageId = recv->messageId();
   std::string to = workerName(recv->fromWorker());
   std::string self = runtime_.self().name;
+  // Note [Tracing]: the arrow from here to where the send receives them.
+  rpc::TraceSpan span(agent_.tracer(), "autograd.gradients");
+  if (span) {
+    span.name("gradients of recv #" + std::to_string(messageId) + " -> " + to);
+    span.arg("context", contextId);
+    span.arg("pass", pass->passId());
+    span.arg("flow_out", gradientFlowId(contextId, pass->passId(), messageId));
+  }
   agent_.send(rpc::WorkerRef(recv->fromWorker()), std::move(request))
       ->addCallback([weakPass, messageId, to, self](c10::ivalue::Future& sent) {
         auto pass = weakPass.lock();
@@ -732,6 +780,17 @@ FuturePtr DistEngine::onGradients(rpc::Request&& request) {
           request.id,
           "gradients must be tensors or None, got " + value.tagKind());
     }
+  }
+  rpc::TraceSpan span(agent_.tracer(), "autograd.gradients");
+  if (span) {
+    span.name(
+        "gradients for send #" + std::to_string(message.message_id()) + " <- " +
+        request.from.name);
+    span.arg("context", contextId);
+    span.arg("pass", passId);
+    span.arg(
+        "flow_in",
+        gradientFlowId(contextId, passId, message.message_id()));
   }
   try {
     pass->deliver(message.message_id(), std::move(grads));

@@ -6,9 +6,11 @@
 #include <torch/csrc/autograd/input_metadata.h>
 #include <torch/version.h>
 
+#include <optional>
 #include <sstream>
 
 #include "torchrpc/rpc/errors.h"
+#include "torchrpc/rpc/tracing.h"
 
 namespace torchrpc {
 namespace autograd {
@@ -105,13 +107,15 @@ LocalBackward::LocalBackward(
     std::string workerName,
     bool retainGraph,
     RecvReady recvReady,
-    LeavesReady leavesReady)
+    LeavesReady leavesReady,
+    rpc::Tracer* tracer)
     : contextId_(contextId),
       passId_(passId),
       workerName_(std::move(workerName)),
       retainGraph_(retainGraph),
       recvReady_(std::move(recvReady)),
       leavesReady_(std::move(leavesReady)),
+      tracer_(tracer),
       done_(c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get())) {}
 
 LocalBackward::~LocalBackward() {
@@ -345,6 +349,13 @@ void LocalBackward::routeLocked(const Edge& edge, at::Tensor grad) {
 }
 
 variable_list LocalBackward::runNode(Node& node, variable_list inputs) {
+  std::optional<rpc::TraceSpan> span;
+  if (tracer_ != nullptr && tracer_->enabled()) {
+    span.emplace(*tracer_, "autograd");
+    span->name(node.name());
+    span->arg("context", contextId_);
+    span->arg("pass", passId_);
+  }
   // As libtorch's engine does when create_graph is false.
   at::AutoGradMode gradMode(false);
   inputs = callPreHooks(node, std::move(inputs));

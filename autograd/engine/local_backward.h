@@ -19,6 +19,12 @@
 #include "torchrpc/autograd/send_recv_functions.h"
 
 namespace torchrpc {
+namespace rpc {
+class Tracer;
+} // namespace rpc
+} // namespace torchrpc
+
+namespace torchrpc {
 namespace autograd {
 namespace detail {
 
@@ -46,13 +52,16 @@ class LocalBackward {
   using LeavesReady = std::function<void(
       std::vector<std::pair<at::Tensor, at::Tensor>> leafGradients)>;
 
+  // `tracer` (may be null) records a span per node run (Note [Tracing] in
+  // rpc/tracing.h).
   LocalBackward(
       int64_t contextId,
       int64_t passId,
       std::string workerName,
       bool retainGraph,
       RecvReady recvReady,
-      LeavesReady leavesReady);
+      LeavesReady leavesReady,
+      rpc::Tracer* tracer = nullptr);
   ~LocalBackward();
 
   int64_t passId() const {
@@ -148,6 +157,7 @@ class LocalBackward {
   const bool retainGraph_;
   const RecvReady recvReady_;
   const LeavesReady leavesReady_;
+  rpc::Tracer* const tracer_;
   const c10::intrusive_ptr<c10::ivalue::Future> done_;
   std::atomic<bool> skippedDiscovery_{false};
 

@@ -10,6 +10,8 @@
 #include <iterator>
 #include <utility>
 
+#include "torchrpc/rpc/tracing.h"
+
 namespace torchrpc {
 namespace optim {
 namespace detail {
@@ -204,7 +206,14 @@ void registerOwnerFunctions(rpc::Runtime& runtime) {
             OptimizerOptions::fromWire(kind, values),
             std::move(parameters));
       });
-  functions.add(kStep, [](Local local, int64_t contextId) {
+  functions.add(kStep, [&runtime](Local local, int64_t contextId) {
+    rpc::TraceSpan span(runtime.tracer(), "optim");
+    if (span) {
+      span.name(
+          "optimizer step on " + runtime.self().name + " (context " +
+          std::to_string(contextId) + ")");
+      span.arg("context", contextId);
+    }
     return local->step(contextId);
   });
   functions.add(kSetLearningRate, [](Local local, double lr) {

@@ -1,4 +1,5 @@
 #include "torchrpc/rpc/detail/metrics_http_server.h"
+#include "torchrpc/rpc/log_level.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
@@ -784,7 +785,7 @@ void MetricsHttpServerImpl::runIo() {
       break;
     } catch (const std::exception& e) {
       // A handler threw (e.g. out of memory): keep serving the others.
-      LOG(ERROR) << describe_ << ": a handler threw: " << e.what();
+      TORCHRPC_LOG(kError) << describe_ << ": a handler threw: " << e.what();
     }
   }
   std::lock_guard<std::mutex> lock(runningMutex_);
@@ -813,11 +814,11 @@ void MetricsHttpServerImpl::close() {
     if (!runningCv_.wait_for(lock, kJoinTimeout, [this]() {
           return !running_;
         })) {
-      LOG(WARNING) << describe_ << ": io thread still busy after "
-                   << std::chrono::duration_cast<std::chrono::seconds>(
-                          kJoinTimeout)
-                          .count()
-                   << " s (a render() that blocks?); stopping it";
+      TORCHRPC_LOG(kWarning)
+          << describe_ << ": io thread still busy after "
+          << std::chrono::duration_cast<std::chrono::seconds>(kJoinTimeout)
+                 .count()
+          << " s (a render() that blocks?); stopping it";
       io_.stop();
     }
   }
@@ -856,7 +857,7 @@ void MetricsHttpServerImpl::warnFromLoop(LogKind kind, Compose compose) {
         " more like it not logged since the last line)";
     throttle.suppressed = 0;
   }
-  LOG(WARNING) << describe_ << ": " << compose() << more;
+  TORCHRPC_LOG(kWarning) << describe_ << ": " << compose() << more;
 }
 
 void MetricsHttpServerImpl::forgetFromLoop(uint64_t id) {
@@ -967,8 +968,9 @@ void MetricsHttpServerImpl::closeAllFromLoop() {
     throttle.suppressed = 0;
   }
   if (suppressed > 0) {
-    LOG(WARNING) << describe_ << ": closed; warnings not logged: " << suppressed
-                 << " (its counters count them all)";
+    TORCHRPC_LOG(kWarning) << describe_
+                           << ": closed; warnings not logged: " << suppressed
+                           << " (its counters count them all)";
   }
 }
 

@@ -16,6 +16,7 @@
 #include <unordered_map>
 
 #include "torchrpc/rpc/detail/store_client.h"
+#include "torchrpc/rpc/log_level.h"
 
 namespace torchrpc {
 namespace rpc {
@@ -385,10 +386,11 @@ JobLayout Rendezvous::join(
         " never arrived at ",
         store_->describe(),
         " (TORCHRPC_RENDEZVOUS_TIMEOUT_MS sets the time limit)");
-    LOG(WARNING) << "worker '" << name << "' (rank " << rank_
-                 << "): waiting for rank(s) " << ranksText(missing) << " of "
-                 << worldSize_ << " at " << store_->describe() << " (" << waited
-                 << " of " << seconds(timeout_) << ")";
+    TORCHRPC_LOG(kWarning) << "worker '" << name << "' (rank " << rank_
+                           << "): waiting for rank(s) " << ranksText(missing)
+                           << " of " << worldSize_ << " at "
+                           << store_->describe() << " (" << waited << " of "
+                           << seconds(timeout_) << ")";
   }
 
   JobLayout layout;

@@ -1,4 +1,5 @@
 #include "torchrpc/rpc/detail/spinning_thread_pool.h"
+#include "torchrpc/rpc/log_level.h"
 
 #include <c10/util/Logging.h>
 
@@ -100,6 +101,16 @@ bool SpinningThreadPool::spinForWork() {
   return found;
 }
 
+SpinningThreadPool::Stats SpinningThreadPool::stats() const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  Stats out;
+  out.threads = threads_.size();
+  out.running = running_;
+  out.queued = tasks_.size();
+  out.tasksRun = tasksRun_;
+  return out;
+}
+
 void SpinningThreadPool::workerLoop() {
   currentPool = this;
   std::unique_lock<std::mutex> lock(mutex_);
@@ -124,6 +135,7 @@ void SpinningThreadPool::workerLoop() {
     tasks_.pop_front();
     queued_.fetch_sub(1, std::memory_order_release);
     ++running_;
+    ++tasksRun_;
     // run() woke no one if a spinner was about to take the work; tasks that
     // queued up meanwhile must not wait behind this one while threads sleep
     // (the one we run may itself wait for them).
@@ -135,9 +147,10 @@ void SpinningThreadPool::workerLoop() {
     try {
       task();
     } catch (const std::exception& e) {
-      LOG(ERROR) << "a task of the torchrpc thread pool threw: " << e.what();
+      TORCHRPC_LOG(kError) << "a task of the torchrpc thread pool threw: "
+                           << e.what();
     } catch (...) {
-      LOG(ERROR) << "a task of the torchrpc thread pool threw";
+      TORCHRPC_LOG(kError) << "a task of the torchrpc thread pool threw";
     }
     task = nullptr;
     lock.lock();

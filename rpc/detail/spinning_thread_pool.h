@@ -42,6 +42,15 @@ class SpinningThreadPool : public c10::TaskThreadPoolBase {
   // Blocks until no task is queued or running.
   void waitWorkComplete();
 
+  // For metrics: tasks running and queued now, and run so far.
+  struct Stats {
+    size_t threads = 0;
+    size_t running = 0;
+    size_t queued = 0;
+    uint64_t tasksRun = 0;
+  };
+  Stats stats() const;
+
  private:
   void workerLoop();
   // Polls for a queued task for up to spin_; true if one appeared.
@@ -56,6 +65,7 @@ class SpinningThreadPool : public c10::TaskThreadPoolBase {
   std::atomic<int> spinners_{0};
   size_t sleeping_ = 0;
   size_t running_ = 0;
+  uint64_t tasksRun_ = 0;
   bool stopping_ = false;
   std::vector<std::thread> threads_;
 };

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "torchrpc/rpc/detail/store_session.h"
+#include "torchrpc/rpc/log_level.h"
 #include "torchrpc/rpc/transport/tcp/tcp_transport.h"
 
 namespace torchrpc {
@@ -239,8 +240,9 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
               ? session->handle(message.header)
               : "a request that does not parse";
           if (!refusal.empty()) {
-            LOG(WARNING) << "rendezvous store: closing the connection from "
-                         << connection->describe() << ": " << refusal;
+            TORCHRPC_LOG(kWarning)
+                << "rendezvous store: closing the connection from "
+                << connection->describe() << ": " << refusal;
             connection->close();
           }
         },

@@ -42,6 +42,19 @@ struct TransportLimits {
   size_t maxTensorsPerMessage = 1 << 16;
 };
 
+// What a transport reports of itself, for metrics (TransportMetrics in
+// rpc/metrics.h): counters since it was created.
+struct TransportStats {
+  // Tensor payload bytes sent or received straight from or into a tensor's
+  // storage, and those copied through a buffer on the way.
+  uint64_t zeroCopyBytes = 0;
+  uint64_t copiedBytes = 0;
+  uint64_t connectionsOpen = 0;
+  // Heartbeat intervals that passed without a message on a connection
+  // (transports with heartbeats of their own).
+  uint64_t heartbeatMisses = 0;
+};
+
 // One bidirectional, ordered message stream to a peer.
 //
 // Thread model: callbacks run on the transport's threads, or on a thread that
@@ -116,6 +129,11 @@ class Transport {
   // silent (heartbeats). The agent sends its own for those that do not.
   virtual bool detectsSilentPeers() const {
     return false;
+  }
+
+  // Counters for metrics; transports that count nothing return zeros.
+  virtual TransportStats stats() const {
+    return {};
   }
 };
 

@@ -104,10 +104,12 @@ Message MessageCodec::encodeRequest(
     const WorkerInfo& to,
     uint64_t id,
     const OutgoingRequest& request,
-    const DeviceMap* deviceMap) const {
+    const DeviceMap* deviceMap,
+    bool traced) const {
   wire::Envelope envelope;
   startEnvelope(envelope, id, request.kind, /*isResponse=*/false);
   envelope.set_timeout_ms(request.timeout.count());
+  envelope.set_traced(traced);
   envelope.set_body(request.body);
   return encodeValues(envelope, to, request.values, deviceMap, nullptr);
 }

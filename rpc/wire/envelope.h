@@ -106,12 +106,14 @@ class MessageCodec {
 
   // Throws RpcError: kBadArguments for a value that cannot be sent, kTooLarge
   // over a cap (the text names the cap); whatever a send hook throws passes
-  // through.
+  // through. `traced` marks the request for tracing (Note [Tracing] in
+  // rpc/tracing.h).
   Message encodeRequest(
       const WorkerInfo& to,
       uint64_t id,
       const OutgoingRequest& request,
-      const DeviceMap* deviceMap) const;
+      const DeviceMap* deviceMap,
+      bool traced = false) const;
 
   // The response to request `id` of `kind` once its handler's future `done`
   // has completed: its value, or its error as the status (see errorToStatus;

@@ -129,11 +129,12 @@ TEST_P(CancellationTest, QueuedCallsWhoseCallersGaveUpNeverRun) {
 
   // The caller sent each cancel just before failing its future; they may
   // still be in flight (TensorPipe under a sanitizer on a loaded machine took
-  // long enough for 11 of 16 to lose the race with the gate). Their arrival
-  // is not observable from here (the agent counts dropped requests, not
-  // received cancels), so give them a bounded moment: a cancel that arrives
-  // after its request started is, by design, too late.
-  std::this_thread::sleep_for(1s);
+  // long enough for 11 of 16 to lose the race with the gate). A cancel that
+  // arrives after its request started is, by design, too late: open the
+  // gate once the callee has them all.
+  EXPECT_TRUE(eventually([&]() {
+    return callee.agent().counters().cancelsReceived == kAbandoned;
+  })) << callee.agent().counters().cancelsReceived;
   gate_.open();
   for (auto& future : blockers) {
     EXPECT_TRUE(future.wait());

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <unistd.h>
 
 #include <chrono>
@@ -15,11 +16,13 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "torchrpc/rpc/log_level.h"
 #include "torchrpc/rpc/runtime.h"
 #include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
 
@@ -134,6 +137,97 @@ TEST(Logging, NoBannerAndMessagesStillReachStderr) {
   // it would write them to files instead).
   EXPECT_NE(child.stderrText.find(kProbe), std::string::npos)
       << child.stderrText;
+}
+
+// The child: two workers, a call whose caller gives up, a call that works.
+TEST(LoggingChild, DISABLED_TwoWorkersAndATimeout) {
+  auto network = std::make_shared<rpc::InProcessNetwork>();
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::unique_ptr<rpc::Runtime>> workers;
+  for (int rank = 0; rank < 2; ++rank) {
+    rpc::Options options;
+    options.rank = rank;
+    options.worldSize = 2;
+    options.store = store;
+    options.inProcessNetwork = network;
+    options.numWorkerThreads = 1;
+    workers.push_back(std::make_unique<rpc::Runtime>(
+        "worker" + std::to_string(rank),
+        options));
+    workers.back()->functions().add("sleep_ms", [](int64_t ms) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      return ms;
+    });
+  }
+  std::thread other([&]() { workers[1]->start(); });
+  workers[0]->start();
+  other.join();
+  auto slow = workers[0]
+                  ->withTimeout(std::chrono::milliseconds(50))
+                  .rpcAsync<int64_t>("worker1", "sleep_ms", 300);
+  auto queued = workers[0]
+                    ->withTimeout(std::chrono::milliseconds(50))
+                    .rpcAsync<int64_t>("worker1", "sleep_ms", 1);
+  EXPECT_THROW(slow.wait(), rpc::RpcError);
+  EXPECT_THROW(queued.wait(), rpc::RpcError);
+  EXPECT_EQ(
+      workers[0]
+          ->withTimeout(std::chrono::seconds(10))
+          .rpcSync<int64_t>("worker1", "sleep_ms", 1),
+      1);
+  std::thread stop([&]() { workers[1]->shutdown(); });
+  workers[0]->shutdown();
+  stop.join();
+}
+
+TEST(Logging, DebugLevelNamesEveryEventAndTheDefaultDoesNot) {
+  auto debug = runThisBinaryOn(
+      "LoggingChild.DISABLED_TwoWorkersAndATimeout",
+      "TORCHRPC_LOG_LEVEL=debug");
+  EXPECT_EQ(debug.exitCode, 0) << debug.stderrText;
+  for (const char* expected :
+       {"[torchrpc debug] worker0: connecting to 'worker1' (id 1) at ",
+        "[torchrpc debug] worker1: cancel of request #",
+        "[torchrpc debug] worker1: dropped request #",
+        "(sleep_ms) from 'worker0' unrun: its caller gave up",
+        "[torchrpc debug] worker1: response to request #"}) {
+    EXPECT_NE(debug.stderrText.find(expected), std::string::npos)
+        << "'" << expected << "' not in:\n"
+        << debug.stderrText;
+  }
+  auto quiet = runThisBinaryOn("LoggingChild.DISABLED_TwoWorkersAndATimeout");
+  EXPECT_EQ(quiet.exitCode, 0) << quiet.stderrText;
+  EXPECT_EQ(quiet.stderrText.find("[torchrpc debug]"), std::string::npos)
+      << quiet.stderrText;
+  // Timeouts are warnings: at the default level they show.
+  EXPECT_NE(quiet.stderrText.find("timed out"), std::string::npos)
+      << quiet.stderrText;
+  auto wrong = runThisBinaryOn(
+      "LoggingChild.DISABLED_TwoWorkersAndATimeout",
+      "TORCHRPC_LOG_LEVEL=chatty");
+  EXPECT_EQ(wrong.exitCode, 0) << wrong.stderrText;
+  EXPECT_NE(
+      wrong.stderrText.find("TORCHRPC_LOG_LEVEL is 'chatty', not one of "
+                            "debug, info, warning, error; using warning"),
+      std::string::npos)
+      << wrong.stderrText;
+  auto errorsOnly = runThisBinaryOn(
+      "LoggingChild.DISABLED_TwoWorkersAndATimeout",
+      "TORCHRPC_LOG_LEVEL=ERROR");
+  EXPECT_EQ(errorsOnly.exitCode, 0) << errorsOnly.stderrText;
+  EXPECT_EQ(errorsOnly.stderrText.find("timed out"), std::string::npos)
+      << errorsOnly.stderrText;
+}
+
+TEST(Logging, LevelNamesParse) {
+  rpc::LogLevel level = rpc::LogLevel::kError;
+  EXPECT_TRUE(rpc::parseLogLevel("Debug", &level));
+  EXPECT_EQ(level, rpc::LogLevel::kDebug);
+  EXPECT_TRUE(rpc::parseLogLevel("warning", &level));
+  EXPECT_EQ(level, rpc::LogLevel::kWarning);
+  EXPECT_FALSE(rpc::parseLogLevel("warn", &level));
+  EXPECT_FALSE(rpc::parseLogLevel("", &level));
+  EXPECT_FALSE(rpc::parseLogLevel(nullptr, &level));
 }
 
 #ifdef C10_USE_GLOG

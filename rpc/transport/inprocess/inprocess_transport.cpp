@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -128,6 +129,9 @@ struct EndpointContext {
   std::shared_ptr<InProcessNetwork> network;
   TransportLimits limits;
   std::string address;
+  // For InProcessTransport::stats(): every tensor is copied into a fresh
+  // buffer on the way, as a real transport would deliver it.
+  std::atomic<uint64_t> copiedBytes{0};
 };
 
 // Runs `done` on the executor, or inline when no thread is left.
@@ -335,6 +339,7 @@ class InProcessConnection
         if (nbytes > 0) {
           std::memcpy(buffer.data_ptr(), tensor.data_ptr(), nbytes);
         }
+        context_->copiedBytes.fetch_add(nbytes, std::memory_order_relaxed);
         copy->tensors.push_back(std::move(buffer));
       }
     }
@@ -487,6 +492,16 @@ class InProcessTransportImpl
     return context_->address;
   }
 
+  TransportStats stats() const {
+    TransportStats out;
+    out.copiedBytes = context_->copiedBytes.load(std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& weak : connections_) {
+      out.connectionsOpen += weak.expired() ? 0 : 1;
+    }
+    return out;
+  }
+
   void listen(Transport::AcceptCallback onAccept) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -596,7 +611,7 @@ class InProcessTransportImpl
   }
 
   const std::shared_ptr<EndpointContext> context_;
-  std::mutex mutex_;
+  mutable std::mutex mutex_;
   bool listening_ = false;
   bool closed_ = false;
   std::shared_ptr<Transport::AcceptCallback> onAccept_;
@@ -640,6 +655,10 @@ void InProcessTransport::close() {
 
 void InProcessTransport::join() {
   impl_->join();
+}
+
+TransportStats InProcessTransport::stats() const {
+  return impl_->stats();
 }
 
 } // namespace rpc

@@ -42,6 +42,7 @@ class InProcessTransport : public Transport {
   std::shared_ptr<Connection> connect(const std::string& address) override;
   void close() override;
   void join() override;
+  TransportStats stats() const override;
 
  private:
   std::shared_ptr<detail::InProcessTransportImpl> impl_;

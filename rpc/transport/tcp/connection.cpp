@@ -93,14 +93,17 @@ void TcpConnectionImpl::send(Message&& message, Connection::SendCallback done) {
   }
   context_->polling.noteSend();
   const size_t count = message.tensors.size();
+  uint64_t tensorBytes = 0;
   const size_t minBytes =
       std::max<size_t>(1, context_->options.zeroCopyMinBytes);
   std::vector<size_t> lengths(count);
   bool anyLarge = false;
   for (size_t i = 0; i < count; ++i) {
     lengths[i] = message.tensors[i].nbytes();
+    tensorBytes += lengths[i];
     anyLarge = anyLarge || lengths[i] >= minBytes;
   }
+  context_->tensorBytes.fetch_add(tensorBytes, std::memory_order_relaxed);
   // Large tensors go by address once the peer proved it can read us; they
   // then wait in awaitingAck_ (registered before the frame can go out, so
   // the ack always finds them). See Note [TCP same-host zero copy].
@@ -480,6 +483,9 @@ void TcpConnectionImpl::onHeartbeatTimerFromLoop() {
   TORCHRPC_ASSERT_IN_LOOP();
   auto silent = std::chrono::duration_cast<std::chrono::milliseconds>(
       Clock::now() - lastReceive_);
+  if (silent > context_->options.heartbeatInterval) {
+    context_->heartbeatMisses.fetch_add(1, std::memory_order_relaxed);
+  }
   if (silent > context_->options.peerTimeout) {
     fail(TransportError{
         ErrorCode::kWorkerUnavailable,

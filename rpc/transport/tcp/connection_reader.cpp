@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "torchrpc/rpc/errors.h"
+#include "torchrpc/rpc/log_level.h"
 
 namespace torchrpc {
 namespace rpc {
@@ -112,8 +113,8 @@ void TcpConnectionImpl::handshakeFailedFromLoop(const std::string& what) {
     }
   }
   std::string detail = "handshake with " + describe() + " failed: " + what;
-  LOG(WARNING) << "TcpTransport " << context_->options.name << ": " << detail
-               << "; dropped";
+  TORCHRPC_LOG(kWarning) << "TcpTransport " << context_->options.name << ": "
+                         << detail << "; dropped";
   fail(TransportError{ErrorCode::kWorkerUnavailable, detail});
 }
 
@@ -258,9 +259,12 @@ void TcpConnectionImpl::readPayloadFromLoop() {
   try {
     message.header.resize(bodyBytes_);
     message.tensors.reserve(lengths_.size());
+    uint64_t tensorBytes = 0;
     for (uint64_t length : lengths_) {
       message.tensors.push_back(context_->pool->allocate(length));
+      tensorBytes += length;
     }
+    context_->tensorBytes.fetch_add(tensorBytes, std::memory_order_relaxed);
   } catch (const std::exception& e) {
     fail(TransportError{
         ErrorCode::kWorkerUnavailable,

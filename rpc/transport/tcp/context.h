@@ -38,6 +38,11 @@ struct TcpContext {
   // Set once the io threads are gone: work is then done inline.
   std::atomic<bool> joined{false};
   IoPolling polling;
+  // For TcpTransport::stats(). Tensor bytes always go straight from and
+  // into a tensor's storage (writev, process_vm_readv, reads into the
+  // receive buffer that becomes the tensor): none is copied in user space.
+  std::atomic<uint64_t> tensorBytes{0};
+  std::atomic<uint64_t> heartbeatMisses{0};
 
   std::mutex mutex;
   bool closed = false;

@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "torchrpc/rpc/log_level.h"
 #include "torchrpc/rpc/transport/tcp/connection.h"
 #include "torchrpc/rpc/transport/tcp/context.h"
 #include "torchrpc/rpc/transport/tcp/handshake.h"
@@ -96,6 +97,16 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
  public:
   const TcpTransportOptions& options() const {
     return context_->options;
+  }
+
+  TransportStats stats() const {
+    TransportStats out;
+    out.zeroCopyBytes = context_->tensorBytes.load(std::memory_order_relaxed);
+    out.heartbeatMisses =
+        context_->heartbeatMisses.load(std::memory_order_relaxed);
+    std::lock_guard<std::mutex> guard(context_->mutex);
+    out.connectionsOpen = context_->live.size();
+    return out;
   }
 
   explicit TcpTransportImpl(TcpTransportOptions options)
@@ -263,12 +274,12 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
       if (!runningCv_.wait_for(lock, kJoinTimeout, [this]() {
             return running_ == 0;
           })) {
-        LOG(WARNING) << "TcpTransport " << context_->options.name
-                     << ": io threads still busy after "
-                     << std::chrono::duration_cast<std::chrono::seconds>(
-                            kJoinTimeout)
-                            .count()
-                     << " s; stopping them";
+        TORCHRPC_LOG(kWarning)
+            << "TcpTransport " << context_->options.name
+            << ": io threads still busy after "
+            << std::chrono::duration_cast<std::chrono::seconds>(kJoinTimeout)
+                   .count()
+            << " s; stopping them";
         context_->io.stop();
       }
     }
@@ -287,8 +298,8 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
     try {
       context_->io.poll();
     } catch (const std::exception& e) {
-      LOG(ERROR) << "TcpTransport " << context_->options.name
-                 << ": callback threw during join: " << e.what();
+      TORCHRPC_LOG(kError) << "TcpTransport " << context_->options.name
+                           << ": callback threw during join: " << e.what();
     }
   }
 
@@ -308,8 +319,9 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
         break;
       } catch (const std::exception& e) {
         // A callback threw; keep serving the other connections.
-        LOG(ERROR) << "TcpTransport " << context_->options.name
-                   << ": callback threw on an io thread: " << e.what();
+        TORCHRPC_LOG(kError)
+            << "TcpTransport " << context_->options.name
+            << ": callback threw on an io thread: " << e.what();
       }
     }
     std::lock_guard<std::mutex> lock(mutex_);
@@ -337,8 +349,9 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
     }
     if (ec) {
       // E.g. out of file descriptors: back off instead of spinning.
-      LOG(WARNING) << "TcpTransport " << context_->options.name
-                   << ": accept failed (" << ec.message() << "); retrying";
+      TORCHRPC_LOG(kWarning)
+          << "TcpTransport " << context_->options.name << ": accept failed ("
+          << ec.message() << "); retrying";
       auto timer = std::make_shared<asio::steady_timer>(context_->io);
       timer->expires_after(kAcceptRetryDelay);
       auto self = shared_from_this();
@@ -374,10 +387,11 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
     }
     acceptNext(acceptor);
     if (evicted) {
-      LOG(WARNING) << "TcpTransport " << context_->options.name << ": "
-                   << kMaxHandshakingConnections
-                   << " connections in their handshake; dropped the oldest, "
-                   << evicted->describe();
+      TORCHRPC_LOG(kWarning)
+          << "TcpTransport " << context_->options.name << ": "
+          << kMaxHandshakingConnections
+          << " connections in their handshake; dropped the oldest, "
+          << evicted->describe();
       evicted->fail(TransportError{
           ErrorCode::kWorkerUnavailable,
           "dropped: too many connections in their handshake"});
@@ -430,6 +444,10 @@ void TcpTransport::close() {
 void TcpTransport::watchAwaitedReplies(
     std::shared_ptr<const std::atomic<int64_t>> count) {
   impl_->watchAwaitedReplies(std::move(count));
+}
+
+TransportStats TcpTransport::stats() const {
+  return impl_->stats();
 }
 
 bool TcpTransport::detectsSilentPeers() const {

@@ -95,6 +95,7 @@ class TcpTransport : public Transport {
       std::shared_ptr<const std::atomic<int64_t>> count) override;
   // Its heartbeats fail a connection silent for peerTimeout (if not zero).
   bool detectsSilentPeers() const override;
+  TransportStats stats() const override;
 
  private:
   std::shared_ptr<tcp::TcpTransportImpl> impl_;

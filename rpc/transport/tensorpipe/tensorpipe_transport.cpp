@@ -7,6 +7,7 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <atomic>
 #include <signal.h>
 #include <unistd.h>
 
@@ -19,6 +20,7 @@
 #include <utility>
 
 #include "torchrpc/rpc/errors.h"
+#include "torchrpc/rpc/log_level.h"
 #include "torchrpc/rpc/transport/receive_buffer_pool.h"
 
 namespace torchrpc {
@@ -164,6 +166,11 @@ struct ConnectionContext {
   std::shared_ptr<ReceiveBufferPool> pool;
   TransportLimits limits;
   std::string name;
+  // For TensorPipeTransport::stats(). TensorPipe reads tensors from their
+  // storage and writes them into the buffers that become the received
+  // tensors, whichever channel carries them: no copy in user space.
+  std::atomic<uint64_t> tensorBytes{0};
+  std::atomic<int64_t> connectionsOpen{0};
 };
 
 } // namespace
@@ -185,9 +192,12 @@ class TensorPipeConnection
       std::shared_ptr<tp::Pipe> pipe)
       : context_(std::move(context)),
         peer_(std::move(peer)),
-        pipe_(std::move(pipe)) {}
+        pipe_(std::move(pipe)) {
+    context_->connectionsOpen.fetch_add(1, std::memory_order_relaxed);
+  }
 
   ~TensorPipeConnection() override {
+    context_->connectionsOpen.fetch_sub(1, std::memory_order_relaxed);
     if (!pipe_) {
       return;
     }
@@ -362,6 +372,7 @@ class TensorPipeConnection
       size_t length = inlined ? descriptor.payloads[nextPayload++].length
                               : descriptor.tensors[nextTensor++].length;
       at::Tensor buffer = context_->pool->allocate(length);
+      context_->tensorBytes.fetch_add(length, std::memory_order_relaxed);
       if (inlined) {
         allocation.payloads.push_back(
             tp::Allocation::Payload{buffer.data_ptr()});
@@ -412,6 +423,9 @@ class TensorPipeConnection
     message.payloads.push_back(std::move(header));
     message.metadata.reserve(holder->tensors.size());
     for (const at::Tensor& tensor : holder->tensors) {
+      context_->tensorBytes.fetch_add(
+          tensor.nbytes(),
+          std::memory_order_relaxed);
       void* data = const_cast<void*>(tensor.data_ptr());
       if (tensor.nbytes() <= kMaxInlineTensorBytes) {
         message.metadata.push_back(kInlineTensor);
@@ -508,6 +522,16 @@ class TensorPipeConnection
 class TensorPipeTransportImpl
     : public std::enable_shared_from_this<TensorPipeTransportImpl> {
  public:
+  TransportStats stats() const {
+    TransportStats out;
+    out.zeroCopyBytes =
+        connectionContext_->tensorBytes.load(std::memory_order_relaxed);
+    out.connectionsOpen = static_cast<uint64_t>(std::max<int64_t>(
+        0,
+        connectionContext_->connectionsOpen.load(std::memory_order_relaxed)));
+    return out;
+  }
+
   explicit TensorPipeTransportImpl(TensorPipeTransportOptions options)
       : options_(std::move(options)),
         connectionContext_(std::make_shared<ConnectionContext>()) {
@@ -718,9 +742,9 @@ class TensorPipeTransportImpl
             error.isOfType<tp::ContextClosedError>()) {
           return;
         }
-        LOG(WARNING) << "TensorPipeTransport " << self->options_.name
-                     << " listener failed (" << error.what()
-                     << "); listening again";
+        TORCHRPC_LOG(kWarning)
+            << "TensorPipeTransport " << self->options_.name
+            << " listener failed (" << error.what() << "); listening again";
         self->connectionContext_->executor->post([self, onAccept, failures]() {
           self->relistenFromLoop(onAccept, failures + 1);
         });
@@ -771,8 +795,9 @@ class TensorPipeTransportImpl
       listener_ = listenFromLoop(url);
       armAccept(listener_, onAccept, failures);
     } catch (const std::exception& e) {
-      LOG(ERROR) << "TensorPipeTransport " << options_.name
-                 << " cannot listen again on " << url << ": " << e.what();
+      TORCHRPC_LOG(kError) << "TensorPipeTransport " << options_.name
+                           << " cannot listen again on " << url << ": "
+                           << e.what();
     }
   }
 
@@ -815,6 +840,10 @@ std::shared_ptr<Connection> TensorPipeTransport::connect(
 
 void TensorPipeTransport::close() {
   impl_->close();
+}
+
+TransportStats TensorPipeTransport::stats() const {
+  return impl_->stats();
 }
 
 void TensorPipeTransport::join() {

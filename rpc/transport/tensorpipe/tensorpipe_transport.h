@@ -81,6 +81,7 @@ class TensorPipeTransport : public Transport {
   void close() override;
   // Bounded by TensorPipe's own shutdown. Must not run on a callback thread.
   void join() override;
+  TransportStats stats() const override;
 
  private:
   std::shared_ptr<TensorPipeTransportImpl> impl_;

@@ -1,0 +1,187 @@
+// Tier 2: a distributed training step traced on every worker, merged into
+// one timeline by the merge tool's own code and checked: every request has
+// its handler and reply, every gradient sent in backward reaches its send,
+// and on the aligned clocks nothing arrives before it left. Tracing changes
+// nothing of what training computes. The layers' metrics are there too.
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tests/support/local_cluster.h"
+#include "tests/support/split_model.h"
+#include "tests/support/transport_names.h"
+#include "tests/tools/trace/temp_dir.h"
+#include "tools/trace/trace_merge.h"
+#include "tools/trace/worker_trace.h"
+#include "torchrpc/optim/distributed_optimizer.h"
+#include "torchrpc/rpc/metrics.h"
+
+namespace torchrpc {
+namespace testing {
+namespace {
+
+using json = nlohmann::json;
+using split::DistributedModel;
+using split::LocalModel;
+using trace::testing::TempDir;
+
+constexpr int kWorkers = 3;
+
+json readWorker(const std::string& directory, int rank) {
+  std::ifstream file(
+      directory + "/worker" + std::to_string(rank) + ".trace.json");
+  std::stringstream text;
+  text << file.rdbuf();
+  return json::parse(text.str());
+}
+
+std::vector<json> spans(const json& document, const std::string& cat) {
+  std::vector<json> out;
+  for (const auto& event : document.at("traceEvents")) {
+    if (event.value("cat", "") == cat) {
+      out.push_back(event);
+    }
+  }
+  return out;
+}
+
+trace::MergeReport merge(const std::string& directory) {
+  std::vector<trace::WorkerTrace> traces;
+  for (int rank = 0; rank < kWorkers; ++rank) {
+    traces.push_back(trace::readWorkerTrace(
+        directory + "/worker" + std::to_string(rank) + ".trace.json"));
+  }
+  return trace::mergeTraces(std::move(traces));
+}
+
+class TrainingTraceTest : public ::testing::TestWithParam<rpc::TransportKind> {
+};
+
+TEST_P(TrainingTraceTest, ATracedStepMergesIntoOneConsistentTimeline) {
+  TempDir dir;
+  constexpr int kSteps = 2;
+  {
+    LocalCluster cluster(
+        GetParam(),
+        kWorkers,
+        [&](int, rpc::Options& o) { o.traceDirectory = dir.path(); },
+        [](int, rpc::Runtime& runtime) { split::installLayers(runtime); });
+    DistributedModel distributed(cluster[0]);
+    auto options = torch::optim::SGDOptions(0.05).momentum(0.9);
+    optim::DistributedOptimizer optimizer(
+        cluster[0],
+        distributed.parameters(),
+        options);
+    LocalModel local;
+    torch::optim::SGD localOptimizer(local.parameters(), options);
+    for (int step = 0; step < kSteps; ++step) {
+      distributed.trainStep(optimizer, step);
+      local.trainStep(localOptimizer, step);
+    }
+    // Traced, the training is the same as untraced: exactly one process's.
+    split::expectSameValues(distributed.values(), local.values(), 0, "traced");
+
+    // The layers report their tables while the job runs.
+    rpc::Metrics metrics = cluster[1].metrics();
+    std::set<std::string> layers;
+    for (const auto& layer : metrics.layers) {
+      layers.insert(layer.layer);
+      EXPECT_FALSE(layer.values.empty()) << layer.layer;
+    }
+    EXPECT_EQ(layers, (std::set<std::string>{"autograd", "rref"}));
+    EXPECT_GT(metrics.traceEvents, 0u);
+    EXPECT_EQ(metrics.traceEventsDropped, 0u);
+    EXPECT_TRUE(cluster.shutdownAll());
+  }
+
+  json driver = readWorker(dir.path(), 0);
+  EXPECT_EQ(spans(driver, "autograd.pass").size(), static_cast<size_t>(kSteps));
+  auto steps = spans(driver, "optim");
+  ASSERT_EQ(steps.size(), static_cast<size_t>(kSteps));
+  EXPECT_EQ(steps[0].at("args").at("owners"), 2);
+  size_t nodes = spans(driver, "autograd").size();
+  size_t flowsOut = 0;
+  size_t flowsIn = 0;
+  for (int rank = 0; rank < kWorkers; ++rank) {
+    json worker = rank == 0 ? driver : readWorker(dir.path(), rank);
+    for (const auto& span : spans(worker, "autograd.gradients")) {
+      flowsOut += span.at("args").contains("flow_out") ? 1 : 0;
+      flowsIn += span.at("args").contains("flow_in") ? 1 : 0;
+    }
+    if (rank > 0) {
+      nodes += spans(worker, "autograd").size();
+      // Each owner stepped its parameters once per step.
+      auto owned = spans(worker, "optim");
+      EXPECT_EQ(owned.size(), static_cast<size_t>(kSteps)) << "rank " << rank;
+      for (const auto& span : owned) {
+        EXPECT_EQ(
+            span.at("name").get<std::string>().rfind(
+                "optimizer step on worker" + std::to_string(rank),
+                0),
+            0u)
+            << span.dump();
+      }
+    }
+  }
+  EXPECT_GT(nodes, 0u);
+  EXPECT_GT(flowsOut, 0u);
+  EXPECT_EQ(flowsOut, flowsIn);
+
+  trace::MergeReport report = merge(dir.path());
+  std::vector<std::string> failures = trace::checkFailures(report);
+  EXPECT_TRUE(failures.empty()) << ::testing::PrintToString(failures);
+}
+
+TEST_P(TrainingTraceTest, AWindowTracesOneStepOnEveryWorker) {
+  TempDir dir;
+  {
+    LocalCluster cluster(
+        GetParam(),
+        kWorkers,
+        [&](int, rpc::Options& o) {
+          o.traceDirectory = dir.path();
+          o.traceFirstStep = 1;
+          o.traceStepCount = 1;
+        },
+        [](int, rpc::Runtime& runtime) { split::installLayers(runtime); });
+    DistributedModel distributed(cluster[0]);
+    optim::DistributedOptimizer optimizer(
+        cluster[0],
+        distributed.parameters(),
+        torch::optim::SGDOptions(0.05));
+    for (int step = 0; step < 3; ++step) {
+      distributed.trainStep(optimizer, step);
+    }
+    EXPECT_TRUE(cluster.shutdownAll());
+  }
+  json driver = readWorker(dir.path(), 0);
+  EXPECT_EQ(spans(driver, "autograd.pass").size(), 1u);
+  EXPECT_EQ(spans(driver, "optim").size(), 1u);
+  for (int rank = 1; rank < kWorkers; ++rank) {
+    // The owners count no steps; they followed the window's requests.
+    EXPECT_EQ(spans(readWorker(dir.path(), rank), "optim").size(), 1u)
+        << "rank " << rank;
+  }
+  trace::MergeReport report = merge(dir.path());
+  std::vector<std::string> failures = trace::checkFailures(report);
+  EXPECT_TRUE(failures.empty()) << ::testing::PrintToString(failures);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Transports,
+    TrainingTraceTest,
+    ::testing::Values(rpc::TransportKind::kInProcess, rpc::TransportKind::kTcp),
+    transportParamName);
+
+} // namespace
+} // namespace testing
+} // namespace torchrpc

@@ -1,0 +1,361 @@
+// Tracing (Note [Tracing] in rpc/tracing.h): the Tracer alone (tier 1), and
+// the files of a job's workers (tier 2), checked against the per-worker
+// contract by torchrpc-trace-merge's own reader and checks.
+
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tests/support/local_cluster.h"
+#include "tests/tools/trace/temp_dir.h"
+#include "tools/trace/trace_merge.h"
+#include "tools/trace/worker_trace.h"
+#include "torchrpc/rpc/runtime.h"
+#include "torchrpc/rpc/tracing.h"
+
+namespace torchrpc {
+namespace {
+
+using namespace std::chrono_literals;
+using json = nlohmann::json;
+using rpc::Tracer;
+using rpc::TraceSpan;
+using testing::LocalCluster;
+using trace::testing::TempDir;
+
+json readJson(const std::string& path) {
+  std::ifstream file(path);
+  std::stringstream text;
+  text << file.rdbuf();
+  return json::parse(text.str());
+}
+
+std::vector<json> eventsOf(const json& document, const std::string& cat) {
+  std::vector<json> out;
+  for (const auto& event : document.at("traceEvents")) {
+    if (event.value("cat", "") == cat) {
+      out.push_back(event);
+    }
+  }
+  return out;
+}
+
+std::vector<std::string> namesOf(const Tracer& tracer) {
+  json document = json::parse(tracer.json());
+  std::vector<std::string> names;
+  for (const auto& event : document.at("traceEvents")) {
+    names.push_back(event.at("name").get<std::string>());
+  }
+  return names;
+}
+
+TEST(TracerTest, OffRecordsNothing) {
+  Tracer tracer("w", 0, 100);
+  EXPECT_FALSE(tracer.enabled());
+  {
+    TraceSpan span(tracer, "test");
+    EXPECT_FALSE(span);
+  }
+  tracer.instant("test", "never");
+  EXPECT_EQ(tracer.events(), 0u);
+  EXPECT_TRUE(json::parse(tracer.json()).at("traceEvents").empty());
+}
+
+TEST(TracerTest, WritesSpansAsTheContractSays) {
+  Tracer tracer("trainer\"0", 3, 100);
+  tracer.start();
+  auto start = Tracer::Clock::now();
+  auto end = start + 1500us;
+  tracer.complete(
+      "rpc.client",
+      "add -> ps0",
+      start,
+      end,
+      {{"call", std::string("trainer0#7")},
+       {"to", std::string("ps0")},
+       {"fn", std::string("add")},
+       {"t_send", Tracer::micros(start)},
+       {"n", int64_t{42}},
+       {"x", 0.5},
+       {"text", std::string("a\nb\t\"c\"\x01")}});
+  {
+    TraceSpan span(tracer, "optim");
+    ASSERT_TRUE(span);
+    span.name("step");
+    span.arg("params", int64_t{2});
+  }
+  tracer.instant("mark", "here");
+  tracer.stop();
+  {
+    TraceSpan span(tracer, "optim");
+    EXPECT_FALSE(span);
+  }
+
+  TempDir dir;
+  std::string path = tracer.write(dir.path() + "/sub");
+  EXPECT_EQ(path, dir.path() + "/sub/trainer\"0.trace.json");
+  // Written through a temporary file: only the final one is left.
+  EXPECT_EQ(
+      std::distance(
+          std::filesystem::directory_iterator(dir.path() + "/sub"),
+          std::filesystem::directory_iterator()),
+      1);
+  json document = readJson(path);
+  EXPECT_EQ(document.at("otherData").at("torchrpc_trace"), 1);
+  EXPECT_EQ(document.at("otherData").at("worker"), "trainer\"0");
+  EXPECT_EQ(document.at("otherData").at("rank"), 3);
+  EXPECT_EQ(document.at("otherData").at("clock"), "steady");
+  EXPECT_EQ(document.at("otherData").at("dropped_events"), 0);
+  const auto& events = document.at("traceEvents");
+  ASSERT_EQ(events.size(), 3u);
+  const json& call = events.at(0);
+  EXPECT_EQ(call.at("ph"), "X");
+  EXPECT_EQ(call.at("cat"), "rpc.client");
+  EXPECT_EQ(call.at("name"), "add -> ps0");
+  EXPECT_EQ(call.at("pid"), 3);
+  EXPECT_TRUE(call.at("tid").is_number_integer());
+  EXPECT_NEAR(call.at("ts").get<double>(), Tracer::micros(start), 0.001);
+  EXPECT_NEAR(call.at("dur").get<double>(), 1500.0, 0.001);
+  EXPECT_EQ(call.at("args").at("call"), "trainer0#7");
+  EXPECT_EQ(call.at("args").at("n"), 42);
+  EXPECT_EQ(call.at("args").at("x"), 0.5);
+  EXPECT_EQ(call.at("args").at("text"), "a\nb\t\"c\"\x01");
+  EXPECT_EQ(events.at(1).at("name"), "step");
+  EXPECT_EQ(events.at(1).at("args").at("params"), 2);
+  EXPECT_EQ(events.at(2).at("ph"), "i");
+  EXPECT_EQ(events.at(2).at("name"), "here");
+  // The merge tool reads it as a worker's file.
+  trace::WorkerTrace parsed = trace::readWorkerTrace(path);
+  EXPECT_EQ(parsed.rank, 3);
+}
+
+TEST(TracerTest, KeepsAtMostMaxEventsAndCountsTheRest) {
+  Tracer tracer("w", 0, 3);
+  tracer.start();
+  for (int i = 0; i < 5; ++i) {
+    TraceSpan span(tracer, "test");
+    span.name("s" + std::to_string(i));
+  }
+  EXPECT_EQ(tracer.events(), 3u);
+  EXPECT_EQ(tracer.dropped(), 2u);
+  EXPECT_EQ(namesOf(tracer), (std::vector<std::string>{"s0", "s1", "s2"}));
+  EXPECT_EQ(json::parse(tracer.json()).at("otherData").at("dropped_events"), 2);
+}
+
+TEST(TracerTest, StepWindowTracesOnlyItsSteps) {
+  Tracer tracer("w", 0, 100);
+  tracer.traceSteps(2, 2);
+  for (int step = 0; step < 6; ++step) {
+    {
+      TraceSpan span(tracer, "test");
+      if (span) {
+        span.name("step" + std::to_string(step));
+      }
+    }
+    tracer.step();
+  }
+  EXPECT_EQ(namesOf(tracer), (std::vector<std::string>{"step2", "step3"}));
+  EXPECT_EQ(tracer.currentStep(), 6);
+  EXPECT_THROW(tracer.traceSteps(-1, 2), c10::Error);
+  EXPECT_THROW(tracer.traceSteps(0, 0), c10::Error);
+}
+
+TEST(TracerTest, FollowerTracesMarkedThreadsOnly) {
+  Tracer tracer("w", 0, 100);
+  tracer.follow(true);
+  EXPECT_FALSE(tracer.enabled());
+  {
+    Tracer::ThreadMark mark(true);
+    EXPECT_TRUE(tracer.enabled());
+    {
+      Tracer::ThreadMark unmarked(false);
+      EXPECT_FALSE(tracer.enabled());
+    }
+    EXPECT_TRUE(tracer.enabled());
+  }
+  EXPECT_FALSE(tracer.enabled());
+}
+
+// ---- a job's files ----
+
+struct JobFiles {
+  std::map<std::string, json> byWorker;
+};
+
+JobFiles readJob(const std::string& directory, int workers) {
+  JobFiles out;
+  for (int rank = 0; rank < workers; ++rank) {
+    std::string name = "worker" + std::to_string(rank);
+    std::string path = directory + "/" + name + ".trace.json";
+    EXPECT_TRUE(std::filesystem::exists(path)) << path;
+    if (std::filesystem::exists(path)) {
+      out.byWorker[name] = readJson(path);
+    }
+  }
+  return out;
+}
+
+// The merge tool's own reading and checks: every call with a reply has both
+// sides, and on the aligned clocks nothing is received before it was sent.
+void expectMergeChecksPass(const std::string& directory, int workers) {
+  std::vector<trace::WorkerTrace> traces;
+  for (int rank = 0; rank < workers; ++rank) {
+    traces.push_back(trace::readWorkerTrace(
+        directory + "/worker" + std::to_string(rank) + ".trace.json"));
+  }
+  trace::MergeReport report = trace::mergeTraces(std::move(traces));
+  std::vector<std::string> failures = trace::checkFailures(report);
+  EXPECT_TRUE(failures.empty()) << ::testing::PrintToString(failures);
+}
+
+class TracingTest : public ::testing::TestWithParam<rpc::TransportKind> {};
+
+TEST_P(TracingTest, NestedCallsAreTracedOnEveryWorker) {
+  TempDir dir;
+  {
+    LocalCluster cluster(
+        GetParam(),
+        3,
+        [&](int, rpc::Options& o) { o.traceDirectory = dir.path(); },
+        [](int rank, rpc::Runtime& rt) {
+          rt.functions().add("add", [](int64_t a, int64_t b) -> int64_t {
+            return a + b;
+          });
+          if (rank == 1) {
+            rt.functions().add("relay", [&rt](int64_t a) -> int64_t {
+              return rt.rpcSync<int64_t>("worker2", "add", a, a);
+            });
+          }
+        });
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_EQ(cluster[0].rpcSync<int64_t>("worker1", "relay", i), 2 * i);
+    }
+    EXPECT_TRUE(cluster.shutdownAll());
+  }
+  JobFiles job = readJob(dir.path(), 3);
+  ASSERT_EQ(job.byWorker.size(), 3u);
+  auto clients0 = eventsOf(job.byWorker["worker0"], "rpc.client");
+  auto servers1 = eventsOf(job.byWorker["worker1"], "rpc.server");
+  auto clients1 = eventsOf(job.byWorker["worker1"], "rpc.client");
+  auto servers2 = eventsOf(job.byWorker["worker2"], "rpc.server");
+  // Only the calls: rendezvous and shutdown go through the store.
+  ASSERT_EQ(clients0.size(), 3u);
+  ASSERT_EQ(servers1.size(), 3u);
+  ASSERT_EQ(clients1.size(), 3u);
+  ASSERT_EQ(servers2.size(), 3u);
+  std::set<std::string> sent;
+  for (const auto& span : clients0) {
+    EXPECT_EQ(span.at("args").at("fn"), "relay");
+    EXPECT_EQ(span.at("args").at("to"), "worker1");
+    EXPECT_EQ(span.at("name"), "relay -> worker1");
+    EXPECT_LT(span.at("args").at("t_send"), span.at("args").at("t_reply"));
+    sent.insert(span.at("args").at("call").get<std::string>());
+  }
+  std::set<std::string> served;
+  for (const auto& span : servers1) {
+    EXPECT_EQ(span.at("args").at("from"), "worker0");
+    EXPECT_LE(span.at("args").at("t_recv"), span.at("args").at("t_send_reply"));
+    served.insert(span.at("args").at("call").get<std::string>());
+  }
+  EXPECT_EQ(sent, served);
+  for (const auto& span : clients1) {
+    EXPECT_EQ(span.at("args").at("fn"), "add");
+    EXPECT_EQ(span.at("args").at("to"), "worker2");
+  }
+  // Each served call has its queue and handler parts.
+  EXPECT_EQ(eventsOf(job.byWorker["worker1"], "rpc.queue").size(), 3u);
+  EXPECT_EQ(eventsOf(job.byWorker["worker1"], "rpc.handler").size(), 3u);
+  expectMergeChecksPass(dir.path(), 3);
+}
+
+TEST_P(TracingTest, AStepWindowIsTracedAcrossTheJob) {
+  TempDir dir;
+  {
+    LocalCluster cluster(
+        GetParam(),
+        2,
+        [&](int, rpc::Options& o) {
+          o.traceDirectory = dir.path();
+          o.traceFirstStep = 1;
+          o.traceStepCount = 1;
+        },
+        [](int, rpc::Runtime& rt) {
+          rt.functions().add("add", [](int64_t a, int64_t b) -> int64_t {
+            return a + b;
+          });
+        });
+    auto& driver = cluster[0];
+    driver.rpcSync<int64_t>("worker1", "add", 0, 0); // step 0: not traced
+    driver.step();
+    driver.rpcSync<int64_t>("worker1", "add", 1, 1); // step 1: traced
+    driver.rpcSync<int64_t>("worker1", "add", 2, 2);
+    driver.step();
+    driver.rpcSync<int64_t>("worker1", "add", 3, 3); // step 2: not traced
+    // worker1 counts no steps: it traces what the marked calls cause.
+    cluster[1].rpcSync<int64_t>("worker0", "add", 4, 4);
+    EXPECT_TRUE(cluster.shutdownAll());
+  }
+  JobFiles job = readJob(dir.path(), 2);
+  auto clients = eventsOf(job.byWorker["worker0"], "rpc.client");
+  auto servers = eventsOf(job.byWorker["worker1"], "rpc.server");
+  ASSERT_EQ(clients.size(), 2u);
+  ASSERT_EQ(servers.size(), 2u);
+  EXPECT_TRUE(eventsOf(job.byWorker["worker1"], "rpc.client").empty());
+  EXPECT_TRUE(eventsOf(job.byWorker["worker0"], "rpc.server").empty());
+  std::set<std::string> sent;
+  std::set<std::string> served;
+  for (int i = 0; i < 2; ++i) {
+    sent.insert(clients[i].at("args").at("call").get<std::string>());
+    served.insert(servers[i].at("args").at("call").get<std::string>());
+  }
+  EXPECT_EQ(sent, served);
+  expectMergeChecksPass(dir.path(), 2);
+}
+
+TEST_P(TracingTest, TracingOffWritesNothingAndRecordsNothing) {
+  TempDir dir;
+  {
+    LocalCluster cluster(GetParam(), 2, nullptr, [](int, rpc::Runtime& rt) {
+      rt.functions().add("add", [](int64_t a, int64_t b) -> int64_t {
+        return a + b;
+      });
+    });
+    cluster[0].rpcSync<int64_t>("worker1", "add", 1, 1);
+    EXPECT_EQ(cluster[0].tracer().events(), 0u);
+    EXPECT_EQ(cluster[1].tracer().events(), 0u);
+    // Started by the program: recorded, and written where it says.
+    cluster[0].tracer().start();
+    cluster[1].tracer().start();
+    cluster[0].rpcSync<int64_t>("worker1", "add", 2, 2);
+    cluster[0].tracer().stop();
+    cluster[1].tracer().stop();
+    cluster[0].rpcSync<int64_t>("worker1", "add", 3, 3);
+    EXPECT_EQ(cluster[0].tracer().events(), 1u);
+    EXPECT_EQ(cluster[1].tracer().events(), 3u); // server, queue, handler
+    cluster[0].tracer().write(dir.path());
+    cluster[1].tracer().write(dir.path());
+    EXPECT_TRUE(cluster.shutdownAll());
+  }
+  expectMergeChecksPass(dir.path(), 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Transports,
+    TracingTest,
+    ::testing::Values(
+        rpc::TransportKind::kInProcess,
+        rpc::TransportKind::kTcp,
+        rpc::TransportKind::kTensorPipe),
+    testing::transportParamName);
+
+} // namespace
+} // namespace torchrpc
