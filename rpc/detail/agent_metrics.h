@@ -81,20 +81,44 @@ class LabelledCounters {
  public:
   static constexpr const char* kOtherLabel = "<other>";
 
-  explicit LabelledCounters(size_t maxLabels) : maxLabels_(maxLabels) {}
+  explicit LabelledCounters(size_t maxLabels)
+      : maxLabels_(maxLabels),
+        id_(nextTableId()) {}
 
+  // On the hot path (every call and request). A thread that asks for the
+  // same label again, as a loop of calls does, finds it in its cache
+  // without the lock. The cache names the table by a process-unique id, not
+  // its address, so a table that died and a new one at its address never
+  // mix.
   Counters& get(const std::string& label) {
-    std::lock_guard<std::mutex> guard(mutex_);
-    auto it = table_.find(label);
-    if (it != table_.end()) {
-      return *it->second;
+    struct Cache {
+      uint64_t table = 0;
+      std::string label;
+      Counters* counters = nullptr;
+    };
+    thread_local Cache cache;
+    if (cache.table == id_ && cache.label == label) {
+      return *cache.counters;
     }
-    const std::string& key = table_.size() < maxLabels_ ? label : kOther_;
-    auto& slot = table_[key];
-    if (!slot) {
-      slot = std::make_unique<Counters>();
+    Counters* counters = nullptr;
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      auto it = table_.find(label);
+      if (it != table_.end()) {
+        counters = it->second.get();
+      } else {
+        const std::string& key = table_.size() < maxLabels_ ? label : kOther_;
+        auto& slot = table_[key];
+        if (!slot) {
+          slot = std::make_unique<Counters>();
+        }
+        counters = slot.get();
+      }
     }
-    return *slot;
+    cache.table = id_;
+    cache.label = label;
+    cache.counters = counters;
+    return *counters;
   }
 
   // Runs f(label, counters) for each label, in label order.
@@ -113,7 +137,13 @@ class LabelledCounters {
   }
 
  private:
+  static uint64_t nextTableId() {
+    static std::atomic<uint64_t> next{1};
+    return next.fetch_add(1, std::memory_order_relaxed);
+  }
+
   const size_t maxLabels_;
+  const uint64_t id_;
   const std::string kOther_ = kOtherLabel;
   mutable std::mutex mutex_;
   std::unordered_map<std::string, std::unique_ptr<Counters>> table_;
