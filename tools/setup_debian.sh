@@ -49,6 +49,7 @@ packages=(
   gnuplot-nox          # the example's curves.png
   python3-protobuf     # the test that reads the example's TensorBoard files
   python3-yaml         # the test that reads examples/kubernetes/ manifests
+  graphviz             # dot, to render autograd::graphDot() (its test does)
   clang                # tools/fuzz.sh: libFuzzer needs clang (clang++ -> clang-14)
   libclang-rt-14-dev   # libFuzzer's runtime and clang's ASan/UBSan runtimes
                        # (clang-14 only recommends it)

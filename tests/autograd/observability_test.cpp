@@ -7,8 +7,14 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <future>
+#include <iterator>
 #include <map>
 #include <regex>
 #include <set>
@@ -141,6 +147,28 @@ TEST(GraphDumpTest, DrawsEveryWorkersPartAndTheEdgesBetweenThem) {
   }
   // w to worker1 and y back, y to worker2 and z back.
   EXPECT_EQ(crossings, 4u) << dot;
+
+  // Graphviz accepts it, when installed (tools/setup_debian.sh installs it).
+  if (std::system("command -v dot >/dev/null 2>&1") == 0) {
+    std::string base =
+        ::testing::TempDir() + "torchrpc_graph_" + std::to_string(::getpid());
+    {
+      std::ofstream file(base + ".dot");
+      file << dot;
+    }
+    std::string command = "timeout 60 dot -Tsvg " + base + ".dot -o " + base +
+        ".svg 2>" + base + ".err";
+    EXPECT_EQ(std::system(command.c_str()), 0) << dot;
+    std::ifstream svg(base + ".svg");
+    std::string text(
+        (std::istreambuf_iterator<char>(svg)),
+        std::istreambuf_iterator<char>());
+    EXPECT_NE(text.find("<svg"), std::string::npos);
+    EXPECT_NE(text.find("cluster_w2"), std::string::npos);
+    for (const char* suffix : {".dot", ".svg", ".err"}) {
+      std::remove((base + suffix).c_str());
+    }
+  }
 
   // The pass still works after the drawing, and looking joined no one.
   context.backward({loss});
