@@ -587,6 +587,27 @@ class WaitingSends {
   explicit WaitingSends(std::vector<std::string> names)
       : names_(std::move(names)) {}
 
+  // A worker's hang report (Runtime::hangReport()) at the abort: what it
+  // waited for then, for a timeout's error.
+  void addReport(std::string report) {
+    // Enough lines per worker to see what is stuck without burying it.
+    constexpr size_t kMaxLines = 24;
+    std::istringstream lines(report);
+    std::string line;
+    std::string kept;
+    size_t count = 0;
+    while (std::getline(lines, line)) {
+      if (count++ < kMaxLines) {
+        kept += line + "\n";
+      }
+    }
+    if (count > kMaxLines) {
+      kept += "  ... and " + std::to_string(count - kMaxLines) + " more\n";
+    }
+    std::lock_guard<std::mutex> guard(mutex_);
+    reports_.push_back(std::move(kept));
+  }
+
   // Send #messageId on worker `at` never got its gradient from `from`.
   void add(int64_t at, int64_t messageId, int64_t from) {
     std::string line = "send #" + std::to_string(messageId) + " (" + name(at) +
@@ -618,6 +639,12 @@ class WaitingSends {
       for (const auto& line : lines_) {
         text << "; " << line;
       }
+      if (!reports_.empty()) {
+        text << "\nwhat each worker waited for when the pass was aborted:\n";
+        for (const auto& report : reports_) {
+          text << report;
+        }
+      }
       return rpc::makeRpcError(
           rpc::ErrorCode::kTimeout,
           e.worker(),
@@ -639,6 +666,7 @@ class WaitingSends {
   const std::vector<std::string> names_;
   std::mutex mutex_;
   std::vector<std::string> lines_;
+  std::vector<std::string> reports_;
 };
 
 } // namespace
@@ -655,6 +683,8 @@ FuturePtr DistEngine::abortPass(
   }
   auto waiting = std::make_shared<WaitingSends>(std::move(names));
   std::string reason = rpc::describeException(error);
+  // Before the pass is failed here: the report says what it waits for.
+  waiting->addReport(runtime_.hangReport());
   if (auto context = contexts_.find(contextId)) {
     if (auto pass = context->findPass(passId)) {
       for (const auto& entry : pass->waitingSends()) {
@@ -673,15 +703,21 @@ FuturePtr DistEngine::abortPass(
     auto answer = agent_.send(
         rpc::WorkerRef(worker),
         passRequest(kAbortKind, message, timeout));
-    // Each answers with the sends it still waited for.
+    // Each answers with the sends it still waited for, and its hang
+    // report.
     answer->addCallback([waiting, worker](c10::ivalue::Future& done) {
-      if (done.hasError()) {
+      if (done.hasError() || !done.value().isTuple()) {
         return;
       }
-      auto pairs = done.value().toIntList();
+      const auto& parts = done.value().toTupleRef().elements();
+      if (parts.size() != 2 || !parts[0].isIntList() || !parts[1].isString()) {
+        return;
+      }
+      auto pairs = parts[0].toIntList();
       for (size_t i = 0; i + 1 < pairs.size(); i += 2) {
         waiting->add(worker, pairs.get(i), pairs.get(i + 1));
       }
+      waiting->addReport(parts[1].toStringRef());
     });
     answers.push_back(answer);
   }
@@ -870,6 +906,8 @@ FuturePtr DistEngine::onAwait(rpc::Request&& request) {
 FuturePtr DistEngine::onAbort(rpc::Request&& request) {
   auto message = parseOrThrow<wire::Abort>(request, "autograd.abort");
   std::vector<int64_t> pairs;
+  // What this worker waited for, before its part of the pass is failed.
+  std::string report = runtime_.hangReport();
   auto context = contexts_.find(message.pass().context_id());
   auto pass = context ? context->findPass(message.pass().pass_id()) : nullptr;
   if (pass) {
@@ -885,7 +923,9 @@ FuturePtr DistEngine::onAbort(rpc::Request&& request) {
         "the pass was aborted: " + message.reason()));
     context->removePass(message.pass().pass_id());
   }
-  return readyFuture(c10::List<int64_t>(pairs));
+  return readyFuture(c10::ivalue::Tuple::create(
+      {c10::IValue(c10::List<int64_t>(pairs)),
+       c10::IValue(std::move(report))}));
 }
 
 FuturePtr DistEngine::onBackwardOnOwner(rpc::Request&& request) {

@@ -231,6 +231,48 @@ TEST(GraphDumpTest, AHangReportNamesTheGradientsAPassWaitsFor) {
   stallGate = nullptr;
 }
 
+TEST(GraphDumpTest, ADeadlineErrorCarriesWhatEachWorkerWaitedFor) {
+  Gate gate;
+  stallGate = &gate;
+  LocalCluster cluster(rpc::TransportKind::kInProcess, 2, nullptr, setup);
+  OpenOnExit opener(gate);
+  auto& driver = cluster[0];
+  auto w = at::ones({2}).requires_grad_();
+  Context context(driver);
+  auto loss = driver.rpcSync<at::Tensor>("worker1", "stall", w).sum();
+  BackwardOptions options;
+  options.deadline = std::chrono::milliseconds(300);
+  try {
+    context.backward({loss}, options);
+    ADD_FAILURE() << "the stalled pass finished";
+  } catch (const rpc::RpcError& e) {
+    std::string text = e.what();
+    EXPECT_EQ(e.code(), rpc::ErrorCode::kTimeout) << text;
+    EXPECT_NE(text.find("did not finish within 300 ms"), std::string::npos)
+        << text;
+    EXPECT_NE(
+        text.find("what each worker waited for when the pass was aborted:\n"),
+        std::string::npos)
+        << text;
+    // The driver's report names the gradients it waited for, worker1's
+    // says its nodes were running (the stalled one).
+    EXPECT_TRUE(std::regex_search(
+        text,
+        std::regex("'worker0' \\(rank 0\\) waits for:\n(  .*\n)*  "
+                   "autograd: context [0-9]+, backward pass [0-9]+: the "
+                   "gradients for message [0-9]+ \\(its recv function is on "
+                   "'worker1'\\) have not arrived from 'worker1'")))
+        << text;
+    EXPECT_NE(
+        text.find("'worker1' (rank 1) waits for:\n  autograd: context "),
+        std::string::npos)
+        << text;
+    testing::expectNoBacktrace(text, 4096);
+  }
+  gate.open();
+  stallGate = nullptr;
+}
+
 TEST(GraphDumpTest, TheLayerReportsItsTables) {
   LocalCluster cluster(rpc::TransportKind::kInProcess, 2, nullptr, setup);
   auto& driver = cluster[0];
