@@ -396,6 +396,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       return future;
     }
     countSent(peer->id, message);
+    const uint64_t bytes = traced ? messageBytes(message) : 0;
 
     auto via = outgoingConnection(*peer);
     PendingCall call;
@@ -430,24 +431,51 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       rearmTimer();
     }
     std::weak_ptr<AgentImpl> weak = shared_from_this();
-    via->connection->send(
-        std::move(message),
-        [weak, id](const TransportError* error) {
-          if (error == nullptr) {
-            return;
-          }
-          // Transport callbacks may run on a caller's thread; completing a
-          // future runs user continuations, so do it on the pool.
+    Connection::SendCallback onSent = [weak, id](const TransportError* error) {
+      if (error == nullptr) {
+        return;
+      }
+      // Transport callbacks may run on a caller's thread; completing a
+      // future runs user continuations, so do it on the pool.
+      if (auto self = weak.lock()) {
+        TransportError failure = *error;
+        self->pool_.run([weak, id, failure]() {
           if (auto self = weak.lock()) {
-            TransportError failure = *error;
-            self->pool_.run([weak, id, failure]() {
-              if (auto self = weak.lock()) {
-                self->failPending(id, failure.code, failure.detail);
-              }
-            });
+            self->failPending(id, failure.code, failure.detail);
           }
         });
+      }
+    };
+    if (traced) {
+      onSent = tracedWrite(std::move(onSent), peer->name, bytes);
+    }
+    via->connection->send(std::move(message), std::move(onSent));
     return future;
+  }
+
+  // Note [Tracing]: a message's time in the transport, from being handed
+  // over to being handed to the OS (or the peer), with its size.
+  Connection::SendCallback tracedWrite(
+      Connection::SendCallback done,
+      std::string peer,
+      uint64_t bytes) {
+    std::weak_ptr<AgentImpl> weak = shared_from_this();
+    const Clock::time_point handed = Clock::now();
+    return
+        [weak, done = std::move(done), peer = std::move(peer), bytes, handed](
+            const TransportError* error) {
+          if (error == nullptr) {
+            if (auto self = weak.lock()) {
+              self->tracer_.complete(
+                  "transport",
+                  "write to " + peer,
+                  handed,
+                  Clock::now(),
+                  {{"bytes", static_cast<int64_t>(bytes)}, {"to", peer}});
+            }
+          }
+          done(error);
+        };
   }
 
   // ---- receiving ---------------------------------------------------------
@@ -528,6 +556,20 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     if (envelope->is_response() || envelope->kind() == kHeartbeatMessageKind ||
         envelope->kind() == kCancelMessageKind) {
       countReceived(knownPeer, bytes);
+    }
+    if (envelope->kind() != kHeartbeatMessageKind && tracer_.enabled()) {
+      // Note [Tracing]: what arrived, and how big (on a follower only what
+      // a marked handler's thread reads, which the transport's is not).
+      int64_t from = envelope->from_worker();
+      tracer_.instant(
+          "transport",
+          "read",
+          {{"bytes", static_cast<int64_t>(bytes)},
+           {"from",
+            workersReady_ && from >= 0 &&
+                    from < static_cast<int64_t>(workers_.size())
+                ? workers_[from].name
+                : std::to_string(from)}});
     }
     if (envelope->kind() == kHeartbeatMessageKind) {
       // Note [Agent heartbeats]: arriving was the point; answer requests.
@@ -1180,7 +1222,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
         self->responsesDropped_.fetch_add(1);
         request.stats->responsesDropped.fetch_add(1, std::memory_order_relaxed);
       } else {
-        self->reply(conn, id, kind, fromId, what, done, scope.get());
+        self->reply(conn, id, kind, fromId, what, done, scope.get(), traced);
       }
     });
   }
@@ -1402,7 +1444,8 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       int64_t fromId,
       const std::string& what,
       c10::ivalue::Future& done,
-      const RequestScope* request) {
+      const RequestScope* request,
+      bool traced) {
     Message message = codec_.encodeResponse(
         workers_.at(fromId),
         id,
@@ -1412,9 +1455,15 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
         mapFor(responseMaps_, fromId),
         request);
     countSent(fromId, message);
-    conn->connection->send(std::move(message), [](const TransportError*) {
-      // The caller learns of a lost reply through its own connection.
-    });
+    // The caller learns of a lost reply through its own connection.
+    Connection::SendCallback onSent = [](const TransportError*) {};
+    if (traced) {
+      onSent = tracedWrite(
+          std::move(onSent),
+          workers_.at(fromId).name,
+          messageBytes(message));
+    }
+    conn->connection->send(std::move(message), std::move(onSent));
   }
 
   // Answers a request that never reached a handler.

@@ -339,8 +339,21 @@ TEST_P(TracingTest, TracingOffWritesNothingAndRecordsNothing) {
     cluster[0].tracer().stop();
     cluster[1].tracer().stop();
     cluster[0].rpcSync<int64_t>("worker1", "add", 3, 3);
-    EXPECT_EQ(cluster[0].tracer().events(), 1u);
-    EXPECT_EQ(cluster[1].tracer().events(), 3u); // server, queue, handler
+    json caller = json::parse(cluster[0].tracer().json());
+    json callee = json::parse(cluster[1].tracer().json());
+    EXPECT_EQ(eventsOf(caller, "rpc.client").size(), 1u);
+    EXPECT_EQ(eventsOf(callee, "rpc.server").size(), 1u);
+    EXPECT_EQ(eventsOf(callee, "rpc.queue").size(), 1u);
+    EXPECT_EQ(eventsOf(callee, "rpc.handler").size(), 1u);
+    // The transport's part: the request written and the reply read on the
+    // caller, the request read and the reply written on the callee.
+    auto transport = eventsOf(caller, "transport");
+    ASSERT_EQ(transport.size(), 2u) << caller.dump();
+    EXPECT_EQ(transport[0].at("name"), "write to worker1");
+    EXPECT_GT(transport[0].at("args").at("bytes").get<int64_t>(), 0);
+    EXPECT_EQ(transport[1].at("name"), "read");
+    EXPECT_EQ(transport[1].at("args").at("from"), "worker1");
+    EXPECT_EQ(eventsOf(callee, "transport").size(), 2u) << callee.dump();
     cluster[0].tracer().write(dir.path());
     cluster[1].tracer().write(dir.path());
     EXPECT_TRUE(cluster.shutdownAll());
