@@ -4,20 +4,22 @@
 #
 #   bash tools/test.sh
 #
-# 1. The whole suite in a Release build (./build), one process per test.
-#    SANITIZE=address,undefined runs it instead in a build with
-#    AddressSanitizer, LeakSanitizer and UndefinedBehaviorSanitizer (-O2, in
-#    ./build-asan): any memory error, leak or undefined behaviour fails the
-#    test it happens in. The tests that run in one process then run in 4
-#    processes per binary (TORCHRPC_TEST_SHARDS in tests/CMakeLists.txt):
-#    starting libtorch under the sanitizers costs each process 1-2 s of CPU.
-# 2. With TORCHRPC_TSAN=1, ThreadSanitizer over the tiers that do not fork
-#    (tools/sanitize.sh thread, in ./build-thread).
+# 1. The whole suite in a build with AddressSanitizer, LeakSanitizer and
+#    UndefinedBehaviorSanitizer (-O2, in ./build-asan): any memory error,
+#    leak or undefined behaviour fails the test it happens in. The tests
+#    that run in one process run in 4 processes per binary
+#    (TORCHRPC_TEST_SHARDS in tests/CMakeLists.txt): starting libtorch
+#    under the sanitizers costs each process 1-2 s of CPU. SANITIZE=none
+#    runs the suite in a Release build (./build) instead, one process per
+#    test.
+# 2. ThreadSanitizer over the tiers that do not fork (tools/sanitize.sh
+#    thread, in ./build-thread); TORCHRPC_TSAN=0 skips it.
 # 3. When clang is installed, a bounded fuzz run (tools/fuzz.sh: builds rpc/
 #    and the fuzzers with clang in ./build-fuzz, runs each target
 #    FUZZ_SECONDS, default 12 s); TORCHRPC_FUZZ=0 skips it.
 #
-# Ninja when installed, ccache in ~/.cache/ccache (CCACHE_DIR overrides;
+# Ninja when installed, ccache in ~/.cache/ccache (CCACHE_DIR overrides; up
+# to CCACHE_MAXSIZE, 20G unless set: three trees of -g objects fit;
 # paths relative to the clone, CCACHE_BASEDIR, and the build directory not
 # hashed, CCACHE_NOHASHDIR, so that a clone anywhere reuses the cache), JOBS=2
 # parallel jobs; BUILD_DIR overrides the suite's build tree.
@@ -27,7 +29,7 @@ set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 jobs="${JOBS:-2}"
-sanitize="${SANITIZE:-none}"
+sanitize="${SANITIZE:-address,undefined}"
 export CCACHE_DIR="${CCACHE_DIR:-${HOME:-/tmp}/.cache/ccache}"
 # Paths inside the clone hash as relative ones, so a clone elsewhere (a
 # fresh CI checkout) reuses what an earlier build of the same sources cached.
@@ -35,6 +37,9 @@ export CCACHE_BASEDIR="${CCACHE_BASEDIR:-${repo}}"
 # With -g (the sanitizer and fuzzer builds) ccache hashes the build
 # directory, which differs in every clone.
 export CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-true}"
+# The sanitizer, TSan, fuzz and Release trees together exceed ccache's 5 GB
+# default; evicting one tree's objects would make the next run rebuild it.
+export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-20G}"
 mkdir -p "${CCACHE_DIR}"
 
 case "${sanitize}" in
@@ -55,7 +60,7 @@ case "${sanitize}" in
     export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"
     ;;
   *)
-    echo "test.sh: SANITIZE must be none (the default) or address,undefined, not '${sanitize}'" >&2
+    echo "test.sh: SANITIZE must be address,undefined (the default) or none, not '${sanitize}'" >&2
     exit 2
     ;;
 esac
@@ -77,8 +82,8 @@ ctest --test-dir "${build}" --output-on-failure -j "${jobs}" --timeout 300 \
 # Runs of their own rather than CTest tests: ThreadSanitizer and the fuzzers
 # each need a tree of their own, which a CTest test of this tree could only
 # skip.
-tsan="skipped (TORCHRPC_TSAN=1 runs it)"
-if [[ "${TORCHRPC_TSAN:-0}" != 0 ]]; then
+tsan="skipped (TORCHRPC_TSAN=0)"
+if [[ "${TORCHRPC_TSAN:-1}" != 0 ]]; then
   tsan_start=${SECONDS}
   # env -u BUILD_DIR: that variable names this script's suite tree; the
   # TSan and fuzz scripts would otherwise reconfigure that tree as theirs.
