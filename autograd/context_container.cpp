@@ -191,26 +191,38 @@ void ContextContainer::describeWaits(std::vector<std::string>& out) const {
         ? "'" + workers[id].name + "'"
         : "worker " + std::to_string(id);
   };
+  // Answered on the transport's thread (hang reports): enough lines to see
+  // what is stuck, and a count of the rest.
+  constexpr size_t kMaxLines = 32;
+  size_t more = 0;
+  auto add = [&](std::string line) {
+    if (out.size() < kMaxLines) {
+      out.push_back(std::move(line));
+    } else {
+      ++more;
+    }
+  };
   for (const auto& context : contexts) {
     for (const auto& entry : context->passes()) {
       auto waiting = entry.second->waitingSends();
       if (waiting.empty()) {
-        out.push_back(
-            "context " + std::to_string(context->id()) + ", backward pass " +
+        add("context " + std::to_string(context->id()) + ", backward pass " +
             std::to_string(entry.first) +
             ": no gradients outstanding here (its nodes are running, or it "
             "awaits answers to the gradients it sent)");
         continue;
       }
       for (const auto& send : waiting) {
-        out.push_back(
-            "context " + std::to_string(context->id()) + ", backward pass " +
+        add("context " + std::to_string(context->id()) + ", backward pass " +
             std::to_string(entry.first) + ": the gradients for message " +
             std::to_string(send.first) + " (its recv function is on " +
             nameOf(send.second) + ") have not arrived from " +
             nameOf(send.second));
       }
     }
+  }
+  if (more > 0) {
+    out.push_back("... and " + std::to_string(more) + " more");
   }
 }
 

@@ -223,6 +223,9 @@ std::string graphDot(
     request.body = std::to_string(contextId);
     request.what = "autograd.graph_dump";
     request.timeout = timeout;
+    // Completed on the transport's thread: this worker's own pool may be
+    // the one that is stuck.
+    request.awaitedSynchronously = true;
     asked.emplace_back(worker.name, agent.send(worker.id, std::move(request)));
   }
   std::ostringstream dot;

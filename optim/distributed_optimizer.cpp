@@ -68,6 +68,15 @@ DistributedOptimizer::DistributedOptimizer(
   TORCH_CHECK(
       !parameters.empty(),
       "a DistributedOptimizer needs parameters to step");
+  // The worker that steps arms the trace window (Note [Tracing]): before
+  // its first step, so that a window from step 0 has all of it.
+  const rpc::Options& runtimeOptions = runtime.options();
+  if (!runtimeOptions.traceDirectory.empty() &&
+      runtimeOptions.traceStepCount > 0) {
+    runtime.tracer().traceSteps(
+        runtimeOptions.traceFirstStep,
+        runtimeOptions.traceStepCount);
+  }
   // Group by owner, in the order owners first appear.
   std::vector<std::string> owners;
   std::vector<std::vector<rref::RRef<at::Tensor>>> byOwner;

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <set>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -715,6 +716,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     served.received.fetch_add(1, std::memory_order_relaxed);
     if (auto cause = lost_.causeOf(from->id)) {
       served.failed.add(ErrorCode::kWorkerUnavailable);
+      traceRefused(*from, envelope, what, arrival.at);
       replyError(
           conn,
           envelope,
@@ -726,6 +728,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     }
     if (handler == handlers_.end()) {
       served.failed.add(ErrorCode::kUnknownFunction);
+      traceRefused(*from, envelope, what, arrival.at);
       replyError(
           conn,
           envelope,
@@ -740,6 +743,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     } catch (const std::exception& e) {
       malformedMessages_.fetch_add(1);
       served.failed.add(ErrorCode::kMalformedMessage);
+      traceRefused(*from, envelope, what, arrival.at);
       replyError(
           conn,
           envelope,
@@ -1073,29 +1077,61 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
   }
 
   std::vector<std::string> describePendingCalls() const {
-    std::vector<std::pair<Clock::time_point, std::string>> calls;
+    // It may run on the transport's thread (a hang report): the lock is
+    // held only to copy what the lines need, and a worker with thousands
+    // of calls in flight lists its kMaxListed oldest.
+    constexpr size_t kMaxListed = 32;
+    struct Waiting {
+      Clock::time_point sentAt;
+      uint64_t id;
+      const PendingCall* call;
+    };
+    std::vector<
+        std::tuple<Clock::time_point, uint64_t, std::string, std::string>>
+        oldest;
+    size_t total = 0;
     const Clock::time_point now = Clock::now();
     {
       std::lock_guard<std::mutex> guard(mutex_);
+      std::vector<Waiting> all;
+      all.reserve(pending_.size());
       for (const auto& entry : pending_) {
-        const PendingCall& call = entry.second;
-        double waited =
-            std::chrono::duration<double, std::milli>(now - call.sentAt)
-                .count();
-        char ms[32];
-        std::snprintf(ms, sizeof(ms), "%.1f", waited);
-        calls.emplace_back(
-            call.sentAt,
-            "call #" + std::to_string(entry.first) + " (" + call.what +
-                ") to '" + call.peerName + "' awaits its reply for " + ms +
-                " ms");
+        all.push_back({entry.second.sentAt, entry.first, &entry.second});
+      }
+      total = all.size();
+      size_t listed = std::min(kMaxListed, all.size());
+      std::partial_sort(
+          all.begin(),
+          all.begin() + listed,
+          all.end(),
+          [](const Waiting& a, const Waiting& b) {
+            return a.sentAt < b.sentAt;
+          });
+      for (size_t i = 0; i < listed; ++i) {
+        oldest.emplace_back(
+            all[i].sentAt,
+            all[i].id,
+            all[i].call->what,
+            all[i].call->peerName);
       }
     }
-    std::sort(calls.begin(), calls.end());
     std::vector<std::string> out;
-    out.reserve(calls.size());
-    for (auto& call : calls) {
-      out.push_back(std::move(call.second));
+    out.reserve(oldest.size() + 1);
+    for (const auto& [sentAt, id, what, peer] : oldest) {
+      char ms[32];
+      std::snprintf(
+          ms,
+          sizeof(ms),
+          "%.1f",
+          std::chrono::duration<double, std::milli>(now - sentAt).count());
+      out.push_back(
+          "call #" + std::to_string(id) + " (" + what + ") to '" + peer +
+          "' awaits its reply for " + ms + " ms");
+    }
+    if (total > oldest.size()) {
+      out.push_back(
+          "... and " + std::to_string(total - oldest.size()) +
+          " more calls awaiting replies");
     }
     return out;
   }
@@ -1236,13 +1272,15 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
   void traceServed(
       int64_t fromId,
       uint64_t id,
-      const std::string& what,
+      const std::string& label,
       const ServedRequest& request,
       Clock::time_point started,
       Clock::time_point handled,
       std::optional<Clock::time_point> replied) {
     const std::string& from = workers_.at(fromId).name;
     const std::string call = traceCallId(from, id);
+    // The peer chose it: kept as metrics keep labels.
+    const std::string what = detail::metricLabel(label);
     const Clock::time_point arrived = request.arrived;
     Clock::time_point end = replied ? *replied : handled;
     TraceArgs args = {
@@ -1270,6 +1308,35 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
         started,
         {{"call", call}});
     tracer_.complete("rpc.handler", what, started, handled, {{"call", call}});
+  }
+
+  // Note [Tracing]: a marked request answered without reaching its handler
+  // still gets its callee side, or the merge finds the caller's span alone.
+  void traceRefused(
+      const WorkerInfo& from,
+      const wire::Envelope& envelope,
+      const std::string& label,
+      Clock::time_point arrived) {
+    if (!envelope.traced()) {
+      return;
+    }
+    Tracer::ThreadMark mark(true);
+    if (!tracer_.enabled()) {
+      return;
+    }
+    const std::string what = detail::metricLabel(label);
+    const Clock::time_point now = Clock::now();
+    tracer_.complete(
+        "rpc.server",
+        what + " <- " + from.name,
+        arrived,
+        now,
+        {{"call", traceCallId(from.name, envelope.id())},
+         {"from", from.name},
+         {"fn", what},
+         {"t_recv", Tracer::micros(arrived)},
+         {"t_send_reply", Tracer::micros(now)},
+         {"refused", std::string("answered without running a handler")}});
   }
 
   // Note [Metrics] and [Tracing]: a call taken out of pending_ ends with

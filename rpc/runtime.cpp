@@ -167,12 +167,12 @@ Runtime::Runtime(std::string name, Options options)
   registerCallHandler();
   registerHangReportHandler();
   if (!options_.traceDirectory.empty()) {
-    // Note [Tracing]: a window traces the steps this worker counts, and on
-    // every worker what the window's marked requests cause.
+    // Note [Tracing]: with a window, every worker traces what the window's
+    // marked requests cause; only a worker that counts steps arms the
+    // window itself (DistributedOptimizer does, when it is built): armed
+    // here, a worker that never steps would start at step 0 and trace
+    // the whole run.
     if (options_.traceStepCount > 0) {
-      agent_->tracer().traceSteps(
-          options_.traceFirstStep,
-          options_.traceStepCount);
       agent_->tracer().follow(true);
     } else {
       agent_->tracer().start();
@@ -429,6 +429,9 @@ std::string Runtime::gatherHangReport(std::chrono::milliseconds timeout) {
     request.kind = kHangReportMessageKind;
     request.what = "hang report";
     request.timeout = timeout;
+    // Completed on the transport's thread: this worker's own pool may be
+    // the one that is stuck.
+    request.awaitedSynchronously = true;
     asked.emplace_back(&worker, agent_->send(worker.id, std::move(request)));
   }
   for (auto& entry : asked) {

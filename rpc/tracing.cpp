@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <thread>
 
 #include <unistd.h>
@@ -100,8 +101,10 @@ void Tracer::stop() {
 
 void Tracer::traceSteps(int64_t first, int64_t count) {
   TORCH_CHECK(
-      first >= 0 && count > 0,
-      "a trace window needs a first step >= 0 and a count > 0, not ",
+      first >= 0 && count > 0 &&
+          count <= std::numeric_limits<int64_t>::max() - first,
+      "a trace window needs a first step >= 0 and a count > 0 (and their sum "
+      "an int64), not ",
       first,
       " and ",
       count);

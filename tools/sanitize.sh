@@ -2,13 +2,13 @@
 # Builds the library and its in-process test binaries with ThreadSanitizer and
 # runs every test that does not fork, in a few processes per binary (one test
 # after another: that also exercises start, shutdown and start again of many
-# runtimes in one process). `TORCHRPC_TSAN=1 bash tools/test.sh` runs it after
-# the suite.
+# runtimes in one process). `bash tools/test.sh` runs it after the suite
+# (`TORCHRPC_TSAN=0` skips it there).
 #
 #   bash tools/sanitize.sh thread
 #
 # (AddressSanitizer, LeakSanitizer and UndefinedBehaviorSanitizer cover the
-# whole suite: `SANITIZE=address,undefined bash tools/test.sh`.)
+# whole suite: `bash tools/test.sh`, whose default that is.)
 #
 # Build tree: build-thread/ (BUILD_DIR overrides). libtorch and TensorPipe are
 # not instrumented; tests/tsan.supp silences what TSan reports inside them.
@@ -38,7 +38,9 @@ configure=(cmake -S "${repo}" -B "${build}" -DCMAKE_BUILD_TYPE=RelWithDebInfo
   "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g1" "-DSANITIZE=${sanitizer}"
   -DTORCHRPC_TEST_SHARDS=4 -DTORCHRPC_BUILD_BENCH=OFF
   -DTORCHRPC_BUILD_EXAMPLES=OFF -DTORCHRPC_BUILD_LAUNCHER=OFF
-  -DTORCHRPC_BUILD_TRACE_TOOLS=OFF)
+  # On: the tracing tests check the workers' files with the merge tool's
+  # own code, and tracing is concurrent code that TSan must see.
+  -DTORCHRPC_BUILD_TRACE_TOOLS=ON)
 if [[ ! -f "${build}/CMakeCache.txt" ]] && command -v ninja >/dev/null; then
   configure+=(-G Ninja)
 fi

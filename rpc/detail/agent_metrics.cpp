@@ -71,6 +71,19 @@ std::map<ErrorCode, uint64_t> ErrorCounts::snapshot() const {
   return out;
 }
 
+std::string metricLabel(const std::string& label) {
+  std::string out = label.substr(0, kMaxLabelBytes);
+  for (char& c : out) {
+    if (c < 0x20 || c > 0x7e) {
+      c = '?';
+    }
+  }
+  if (label.size() > kMaxLabelBytes) {
+    out += "...";
+  }
+  return out;
+}
+
 ErrorCode errorCodeOf(const std::exception_ptr& error) {
   try {
     std::rethrow_exception(error);

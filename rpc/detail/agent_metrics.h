@@ -21,6 +21,13 @@ namespace torchrpc {
 namespace rpc {
 namespace detail {
 
+// A label as metrics and traces keep it: a peer chooses a call's function
+// name, so at most kMaxLabelBytes of it, printable ASCII only (anything
+// else becomes '?'), which keeps a scrape and a trace file valid whatever
+// bytes arrived.
+constexpr size_t kMaxLabelBytes = 128;
+std::string metricLabel(const std::string& label);
+
 // A LatencyHistogram whose observations are relaxed atomic increments.
 class AtomicHistogram {
  public:
@@ -101,14 +108,14 @@ class LabelledCounters {
       return *cache.counters;
     }
     Counters* counters = nullptr;
+    const std::string kept = metricLabel(label);
     {
       std::lock_guard<std::mutex> guard(mutex_);
-      auto it = table_.find(label);
+      auto it = table_.find(kept);
       if (it != table_.end()) {
         counters = it->second.get();
       } else {
-        const std::string& key = table_.size() < maxLabels_ ? label : kOther_;
-        auto& slot = table_[key];
+        auto& slot = table_[table_.size() < maxLabels_ ? kept : kOther_];
         if (!slot) {
           slot = std::make_unique<Counters>();
         }
@@ -148,6 +155,7 @@ class LabelledCounters {
   mutable std::mutex mutex_;
   std::unordered_map<std::string, std::unique_ptr<Counters>> table_;
 };
+
 
 // The code an error completes a future with: an RpcError's, else
 // kRemoteException (a handler's exception).

@@ -14,6 +14,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "tests/support/local_cluster.h"
@@ -141,15 +142,23 @@ TEST_P(TrainingTraceTest, ATracedStepMergesIntoOneConsistentTimeline) {
   EXPECT_TRUE(failures.empty()) << ::testing::PrintToString(failures);
 }
 
-TEST_P(TrainingTraceTest, AWindowTracesOneStepOnEveryWorker) {
+// Steps [first, first + count) of the trainer, on every worker. From step
+// 0 too: the workers that never step must not take the window as starting
+// at once and trace the whole run.
+class TrainingTraceWindowTest
+    : public ::testing::TestWithParam<std::tuple<rpc::TransportKind, int>> {};
+
+TEST_P(TrainingTraceWindowTest, AWindowTracesOneStepOnEveryWorker) {
+  const rpc::TransportKind transport = std::get<0>(GetParam());
+  const int first = std::get<1>(GetParam());
   TempDir dir;
   {
     LocalCluster cluster(
-        GetParam(),
+        transport,
         kWorkers,
         [&](int, rpc::Options& o) {
           o.traceDirectory = dir.path();
-          o.traceFirstStep = 1;
+          o.traceFirstStep = first;
           o.traceStepCount = 1;
         },
         [](int, rpc::Runtime& runtime) { split::installLayers(runtime); });
@@ -181,6 +190,20 @@ INSTANTIATE_TEST_SUITE_P(
     TrainingTraceTest,
     ::testing::Values(rpc::TransportKind::kInProcess, rpc::TransportKind::kTcp),
     transportParamName);
+
+INSTANTIATE_TEST_SUITE_P(
+    TransportsAndFirstSteps,
+    TrainingTraceWindowTest,
+    ::testing::Combine(
+        ::testing::Values(
+            rpc::TransportKind::kInProcess,
+            rpc::TransportKind::kTcp),
+        ::testing::Values(0, 1, 2)),
+    [](const ::testing::TestParamInfo<std::tuple<rpc::TransportKind, int>>&
+           info) {
+      return transportName(std::get<0>(info.param)) + "_FromStep" +
+          std::to_string(std::get<1>(info.param));
+    });
 
 } // namespace
 } // namespace testing

@@ -255,6 +255,46 @@ TEST_P(MetricsTest, PendingCallsShowInMetricsAndHangReports) {
   EXPECT_TRUE(c->shutdownAll());
 }
 
+TEST_P(MetricsTest, AHangReportComesBackWhenTheAskersOwnPoolIsStuck) {
+  auto c = cluster(/*threads=*/1);
+  OpenOnExit opener(gate_);
+  // worker1 holds worker0's one pool thread.
+  auto blocked = (*c)[1].withTimeout(30s).rpcAsync<bool>("worker0", "block");
+  ASSERT_TRUE(gate_.waitForWaiting(1));
+  auto start = std::chrono::steady_clock::now();
+  std::string gathered = (*c)[0].gatherHangReport(5s);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 4s) << gathered;
+  EXPECT_EQ(gathered.find("did not answer"), std::string::npos) << gathered;
+  EXPECT_NE(
+      gathered.find("'worker1' (rank 1) waits for:\n  call #"),
+      std::string::npos)
+      << gathered;
+  gate_.open();
+  EXPECT_TRUE(blocked.wait());
+  EXPECT_TRUE(c->shutdownAll());
+}
+
+TEST_P(MetricsTest, APeersFunctionNamesCannotBloatOrBreakTheLabels) {
+  auto c = cluster();
+  std::string odd = std::string("bad\x01name\xff") + std::string(300, 'x');
+  EXPECT_THROW((*c)[0].rpcSync<int64_t>("worker1", odd), rpc::RpcError);
+  rpc::Metrics s = (*c)[1].metrics();
+  const rpc::ServedMetrics* kept = nullptr;
+  for (const auto& served : s.served) {
+    if (served.function.rfind("bad?name?", 0) == 0) {
+      kept = &served;
+    }
+  }
+  ASSERT_NE(kept, nullptr);
+  EXPECT_EQ(kept->function.size(), 128u + 3u); // cut, and "..." says so
+  EXPECT_EQ(kept->function.substr(128), "...");
+  std::string exposition = rpc::formatPrometheus(s);
+  for (unsigned char ch : exposition) {
+    EXPECT_TRUE(ch == '\n' || (ch >= 0x20 && ch < 0x7f)) << int(ch);
+  }
+  EXPECT_TRUE(c->shutdownAll());
+}
+
 TEST_P(MetricsTest, TextAndPrometheusRenderingsCarryTheCounts) {
   auto c = cluster();
   auto& caller = (*c)[0];

@@ -294,6 +294,9 @@ TEST_P(TracingTest, AStepWindowIsTracedAcrossTheJob) {
           });
         });
     auto& driver = cluster[0];
+    // The worker that counts steps arms the window (DistributedOptimizer
+    // does so itself); the others only follow.
+    driver.tracer().traceSteps(1, 1);
     driver.rpcSync<int64_t>("worker1", "add", 0, 0); // step 0: not traced
     driver.step();
     driver.rpcSync<int64_t>("worker1", "add", 1, 1); // step 1: traced
@@ -318,6 +321,31 @@ TEST_P(TracingTest, AStepWindowIsTracedAcrossTheJob) {
     served.insert(servers[i].at("args").at("call").get<std::string>());
   }
   EXPECT_EQ(sent, served);
+  expectMergeChecksPass(dir.path(), 2);
+}
+
+TEST_P(TracingTest, ARequestRefusedBeforeItsHandlerHasBothSides) {
+  TempDir dir;
+  {
+    LocalCluster cluster(GetParam(), 2, [&](int, rpc::Options& o) {
+      o.traceDirectory = dir.path();
+    });
+    rpc::OutgoingRequest request;
+    request.kind = 99; // no handler for it there
+    request.what = "kind 99";
+    request.timeout = 10s;
+    auto answer =
+        cluster[0].agent().send(rpc::WorkerRef(1), std::move(request));
+    answer->wait();
+    ASSERT_TRUE(answer->hasError());
+    EXPECT_TRUE(cluster.shutdownAll());
+  }
+  JobFiles job = readJob(dir.path(), 2);
+  auto servers = eventsOf(job.byWorker["worker1"], "rpc.server");
+  ASSERT_EQ(servers.size(), 1u);
+  EXPECT_EQ(
+      servers[0].at("args").at("refused"),
+      "answered without running a handler");
   expectMergeChecksPass(dir.path(), 2);
 }
 
