@@ -156,7 +156,6 @@ class LabelledCounters {
   std::unordered_map<std::string, std::unique_ptr<Counters>> table_;
 };
 
-
 // The code an error completes a future with: an RpcError's, else
 // kRemoteException (a handler's exception).
 ErrorCode errorCodeOf(const std::exception_ptr& error);
