@@ -133,6 +133,10 @@ case "${case_name}" in
     run 30 --trace-dir /tmp/t --trace-steps 2:0 -- "${worker}" observability-env
     [[ ${rc} -ne 0 ]] || fail "--trace-steps 2:0 was accepted"
     [[ ! -s "${out}" ]] || fail "a worker ran after a usage error"
+    # Too many digits is a usage error too, not a crash.
+    run 30 --trace-dir /tmp/t --trace-steps 99999999999999999999:1 -- "${worker}" observability-env
+    [[ ${rc} -ne 0 && ${rc} -lt 128 ]] || fail "a 20-digit --trace-steps: exit ${rc}"
+    grep -q -- "--trace-steps" "${err}" || fail "no reason for refusing a 20-digit --trace-steps"
     ;;
   IsolatesEachWorker)
     run 30 --nproc-per-node 2 -- "${worker}" isolation

@@ -156,8 +156,9 @@ bool parseCommandLine(
       ->check(CLI::Validator(
           [](std::string& value) -> std::string {
             auto colon = value.find(':');
+            // At most 18 digits: std::stoll below must not overflow.
             auto digits = [](const std::string& part) {
-              return !part.empty() &&
+              return !part.empty() && part.size() <= 18 &&
                   part.find_first_not_of("0123456789") == std::string::npos;
             };
             if (colon == std::string::npos
