@@ -112,6 +112,10 @@ if [[ "${TORCHRPC_FUZZ:-1}" != 0 ]]; then
 fi
 
 echo "test.sh: suite (SANITIZE=${sanitize}) $(grep -E 'tests passed|No tests were found' "${log}" | tail -1 || echo 'ctest printed no summary')"
+# The names of the failed tests, so that the last lines of a CI log say
+# which test to look up in the full log.
+sed -n '/The following tests FAILED:/,/^Errors while running/p' "${log}" \
+  | sed 's/^/test.sh: /' || true
 echo "test.sh: ThreadSanitizer ${tsan}"
 echo "test.sh: fuzzing ${fuzz}"
 echo "test.sh: total $((SECONDS - start)) s"
