@@ -112,8 +112,9 @@ if [[ "${TORCHRPC_FUZZ:-1}" != 0 ]]; then
 fi
 
 echo "test.sh: suite (SANITIZE=${sanitize}) $(grep -E 'tests passed|No tests were found' "${log}" | tail -1 || echo 'ctest printed no summary')"
-# The names of the failed tests, so that the last lines of a CI log say
-# which test to look up in the full log.
+# The failed tests and the end of their output, and their names, so that
+# the last lines of a CI log say what failed and why.
+awk -f "${repo}/tools/failed_test_output.awk" "${log}" || true
 sed -n '/The following tests FAILED:/,/^Errors while running/p' "${log}" \
   | sed 's/^/test.sh: /' || true
 echo "test.sh: ThreadSanitizer ${tsan}"
