@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -9,6 +11,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <map>
 #include <thread>
 
 #include <unistd.h>
@@ -57,6 +60,29 @@ void appendNumber(std::string& out, double value) {
   // Microseconds on a steady clock since boot: 3 decimals keep nanoseconds.
   std::snprintf(buffer, sizeof(buffer), "%.3f", value);
   out += buffer;
+}
+
+// Microseconds with 3 decimals, from integer nanoseconds: exact, so that a
+// child span ending with its parent is written ending at the same time.
+void appendMicros(std::string& out, int64_t nanoseconds) {
+  if (nanoseconds < 0) {
+    out += '-';
+    nanoseconds = -nanoseconds;
+  }
+  char buffer[32];
+  std::snprintf(
+      buffer,
+      sizeof(buffer),
+      "%lld.%03lld",
+      static_cast<long long>(nanoseconds / 1000),
+      static_cast<long long>(nanoseconds % 1000));
+  out += buffer;
+}
+
+int64_t nanosOf(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             t.time_since_epoch())
+      .count();
 }
 
 void appendValue(std::string& out, const TraceValue& value) {
@@ -153,15 +179,13 @@ int Tracer::threadNumber() {
   return number;
 }
 
-void Tracer::append(std::string event) {
-  // `event` ends with ",\"tid\":"; the thread number completes it.
+void Tracer::append(Event event) {
   std::lock_guard<std::mutex> guard(mutex_);
   if (events_.size() >= maxEvents_) {
     ++dropped_;
     return;
   }
-  event += std::to_string(threadNumber());
-  event += '}';
+  event.thread = threadNumber();
   events_.push_back(std::move(event));
 }
 
@@ -171,23 +195,23 @@ void Tracer::complete(
     Clock::time_point start,
     Clock::time_point end,
     TraceArgs args) {
-  std::string event;
-  event.reserve(160 + name.size());
-  event += "{\"ph\":\"X\",\"cat\":";
-  appendEscaped(event, category);
-  event += ",\"name\":";
-  appendEscaped(event, name);
-  event += ",\"ts\":";
-  appendNumber(event, micros(start));
-  event += ",\"dur\":";
-  appendNumber(
-      event,
-      std::max(
-          0.0,
-          std::chrono::duration<double, std::micro>(end - start).count()));
-  event += ',';
-  appendArgs(event, args);
-  event += ",\"pid\":" + std::to_string(rank_) + ",\"tid\":";
+  Event event;
+  event.span = true;
+  event.startNs = nanosOf(start);
+  event.endNs = std::max(event.startNs, nanosOf(end));
+  std::string& text = event.json;
+  text.reserve(160 + name.size());
+  text += "{\"ph\":\"X\",\"cat\":";
+  appendEscaped(text, category);
+  text += ",\"name\":";
+  appendEscaped(text, name);
+  text += ",\"ts\":";
+  appendMicros(text, event.startNs);
+  text += ",\"dur\":";
+  appendMicros(text, event.endNs - event.startNs);
+  text += ',';
+  appendArgs(text, args);
+  text += ",\"pid\":" + std::to_string(rank_) + ",\"tid\":";
   append(std::move(event));
 }
 
@@ -195,15 +219,18 @@ void Tracer::instant(const char* category, std::string name, TraceArgs args) {
   if (!enabled()) {
     return;
   }
-  std::string event = "{\"ph\":\"i\",\"s\":\"t\",\"cat\":";
-  appendEscaped(event, category);
-  event += ",\"name\":";
-  appendEscaped(event, name);
-  event += ",\"ts\":";
-  appendNumber(event, micros(Clock::now()));
-  event += ',';
-  appendArgs(event, args);
-  event += ",\"pid\":" + std::to_string(rank_) + ",\"tid\":";
+  Event event;
+  event.startNs = event.endNs = nanosOf(Clock::now());
+  std::string& text = event.json;
+  text = "{\"ph\":\"i\",\"s\":\"t\",\"cat\":";
+  appendEscaped(text, category);
+  text += ",\"name\":";
+  appendEscaped(text, name);
+  text += ",\"ts\":";
+  appendMicros(text, event.startNs);
+  text += ',';
+  appendArgs(text, args);
+  text += ",\"pid\":" + std::to_string(rank_) + ",\"tid\":";
   append(std::move(event));
 }
 
@@ -218,21 +245,91 @@ size_t Tracer::dropped() const {
 }
 
 std::string Tracer::json() const {
-  std::string out = "{\"traceEvents\":[\n";
-  size_t dropped = 0;
-  {
-    std::lock_guard<std::mutex> guard(mutex_);
-    for (size_t i = 0; i < events_.size(); ++i) {
-      out += events_[i];
-      out += i + 1 < events_.size() ? ",\n" : "\n";
+  std::lock_guard<std::mutex> guard(mutex_);
+  // Note [Tracing], "Threads and lanes": each thread's spans, from the
+  // earliest (the longest first among those that start together), go to
+  // the first lane where they nest in what is open there. A lane is a stack
+  // of the ends of its open spans; the top ends first.
+  std::vector<int> tids(events_.size());
+  std::map<int, std::vector<size_t>> spansByThread;
+  for (size_t i = 0; i < events_.size(); ++i) {
+    tids[i] = events_[i].thread;
+    if (events_[i].span) {
+      spansByThread[events_[i].thread].push_back(i);
     }
-    dropped = dropped_;
   }
-  out += "],\"displayTimeUnit\":\"ms\",\"otherData\":{\"torchrpc_trace\":1,";
+  int nextTid = static_cast<int>(threads_.size()) + 1;
+  std::vector<std::pair<int, std::string>> laneNames;
+  for (auto& [thread, spans] : spansByThread) {
+    std::sort(spans.begin(), spans.end(), [this](size_t a, size_t b) {
+      const Event& x = events_[a];
+      const Event& y = events_[b];
+      if (x.startNs != y.startNs) {
+        return x.startNs < y.startNs;
+      }
+      if (x.endNs != y.endNs) {
+        return x.endNs > y.endNs;
+      }
+      return a < b;
+    });
+    std::vector<std::vector<int64_t>> lanes;
+    std::vector<int> laneTids;
+    for (size_t i : spans) {
+      const Event& event = events_[i];
+      size_t lane = 0;
+      for (; lane < lanes.size(); ++lane) {
+        auto& open = lanes[lane];
+        while (!open.empty() && open.back() <= event.startNs) {
+          open.pop_back();
+        }
+        if (open.empty() || open.back() >= event.endNs) {
+          break;
+        }
+      }
+      if (lane == lanes.size()) {
+        lanes.emplace_back();
+        if (lane == 0) {
+          laneTids.push_back(thread);
+        } else {
+          laneTids.push_back(nextTid++);
+          laneNames.emplace_back(
+              laneTids.back(),
+              "thread " + std::to_string(thread) + ", lane " +
+                  std::to_string(lane));
+        }
+      }
+      lanes[lane].push_back(event.endNs);
+      tids[i] = laneTids[lane];
+    }
+  }
+
+  std::string out = "{\"traceEvents\":[\n";
+  const std::string pid = std::to_string(rank_);
+  bool first = true;
+  auto separate = [&] {
+    if (!first) {
+      out += ",\n";
+    }
+    first = false;
+  };
+  for (size_t i = 0; i < events_.size(); ++i) {
+    separate();
+    out += events_[i].json;
+    out += std::to_string(tids[i]);
+    out += '}';
+  }
+  for (const auto& [tid, name] : laneNames) {
+    separate();
+    out += "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":" + pid +
+        ",\"tid\":" + std::to_string(tid) + ",\"args\":{\"name\":";
+    appendEscaped(out, name);
+    out += "}}";
+  }
+  out += "\n],\"displayTimeUnit\":\"ms\",\"otherData\":{\"torchrpc_trace\":1,";
   out += "\"worker\":";
   appendEscaped(out, worker_);
-  out += ",\"rank\":" + std::to_string(rank_) +
-      ",\"clock\":\"steady\",\"dropped_events\":" + std::to_string(dropped) +
+  out += ",\"rank\":" + pid +
+      ",\"clock\":\"steady\",\"dropped_events\":" + std::to_string(dropped_) +
       "}}\n";
   return out;
 }

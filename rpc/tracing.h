@@ -48,6 +48,15 @@ namespace rpc {
 // itself traces the requests that carry it, and what they cause there
 // (nested calls, backward passes, optimizer steps), so the window is one
 // step across the whole job.
+//
+// Threads and lanes: an event's tid is the thread that recorded it. Viewers
+// draw one thread's spans as a stack, so they must nest; spans that only
+// overlap (an rpc.client span is recorded by whichever thread takes the
+// reply, and 64 pipelined calls overlap on it) would be drawn wrongly or
+// dropped. json() therefore moves a span that does not nest into the first
+// free extra lane of its thread: a tid of its own, named "thread <n>, lane
+// <k>" by a thread_name metadata event. Lanes are assigned when the file is
+// written, so recording stays a push_back.
 
 // An argument of a span: integer, floating point or text.
 using TraceValue = std::variant<int64_t, double, std::string>;
@@ -117,7 +126,9 @@ class Tracer {
   void instant(const char* category, std::string name, TraceArgs args = {});
 
   // Microseconds on the trace's clock (the steady clock's epoch), the unit
-  // of ts and of the contract's t_* arguments.
+  // of ts and of the contract's t_* arguments. (ts and dur are written from
+  // integer nanoseconds, so that a span that ends with its parent ends at
+  // the same written time.)
   static double micros(Clock::time_point t) {
     return std::chrono::duration<double, std::micro>(t.time_since_epoch())
         .count();
@@ -136,7 +147,16 @@ class Tracer {
   std::string json() const;
 
  private:
-  void append(std::string event);
+  // One recorded event: its JSON object up to (not including) the tid, and
+  // what json() needs to place it in a lane.
+  struct Event {
+    std::string json;
+    int64_t startNs = 0;
+    int64_t endNs = 0;
+    int thread = 0;
+    bool span = false;
+  };
+  void append(Event event);
   // The small per-thread number that is the events' tid.
   int threadNumber();
 
@@ -150,10 +170,9 @@ class Tracer {
   std::atomic<int64_t> windowEnd_{-1};
 
   mutable std::mutex mutex_;
-  // Each event already formatted as a JSON object.
-  std::vector<std::string> events_;
+  std::vector<Event> events_;
   size_t dropped_ = 0;
-  // Thread numbers by std::thread::id hash, with the names of threads.
+  // The thread numbers handed out, by std::thread::id hash.
   std::vector<std::pair<size_t, int>> threads_;
 };
 

@@ -6,7 +6,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -54,6 +56,47 @@ std::vector<std::string> namesOf(const Tracer& tracer) {
   std::vector<std::string> names;
   for (const auto& event : document.at("traceEvents")) {
     names.push_back(event.at("name").get<std::string>());
+  }
+  return names;
+}
+
+// Viewers draw each tid's spans as one stack: within a tid, every two spans
+// must be disjoint or one must contain the other (ts and dur in integer
+// nanoseconds, as written).
+void expectSpansNestPerTid(const json& document) {
+  std::map<int64_t, std::vector<std::pair<int64_t, int64_t>>> byTid;
+  for (const auto& event : document.at("traceEvents")) {
+    if (event.at("ph") != "X") {
+      continue;
+    }
+    auto start = std::llround(event.at("ts").get<double>() * 1000);
+    auto end = start + std::llround(event.at("dur").get<double>() * 1000);
+    byTid[event.at("tid").get<int64_t>()].emplace_back(start, end);
+  }
+  for (auto& [tid, spans] : byTid) {
+    std::sort(spans.begin(), spans.end(), [](auto a, auto b) {
+      return a.first != b.first ? a.first < b.first : a.second > b.second;
+    });
+    std::vector<int64_t> open; // ends of enclosing spans, innermost last
+    for (const auto& [start, end] : spans) {
+      while (!open.empty() && open.back() <= start) {
+        open.pop_back();
+      }
+      EXPECT_TRUE(open.empty() || end <= open.back())
+          << "tid " << tid << ": a span [" << start << ", " << end
+          << "] ns overlaps the span open until " << open.back();
+      open.push_back(end);
+    }
+  }
+}
+
+std::map<int64_t, std::string> threadNames(const json& document) {
+  std::map<int64_t, std::string> names;
+  for (const auto& event : document.at("traceEvents")) {
+    if (event.at("ph") == "M" && event.at("name") == "thread_name") {
+      names[event.at("tid").get<int64_t>()] =
+          event.at("args").at("name").get<std::string>();
+    }
   }
   return names;
 }
@@ -149,6 +192,86 @@ TEST(TracerTest, KeepsAtMostMaxEventsAndCountsTheRest) {
   EXPECT_EQ(tracer.dropped(), 2u);
   EXPECT_EQ(namesOf(tracer), (std::vector<std::string>{"s0", "s1", "s2"}));
   EXPECT_EQ(json::parse(tracer.json()).at("otherData").at("dropped_events"), 2);
+}
+
+TEST(TracerTest, SpansThatOverlapWithoutNestingGetLanesOfTheirThread) {
+  Tracer tracer("w", 0, 100);
+  tracer.start();
+  auto t0 = Tracer::Clock::now();
+  auto at = [&](int us) { return t0 + std::chrono::microseconds(us); };
+  // Recorded in the order they end, as the thread that takes replies does.
+  // Each goes to the first lane where it nests in what is open there.
+  tracer.complete("test", "c", at(10), at(20)); // inside a
+  tracer.complete("test", "a", at(0), at(100));
+  tracer.complete("test", "d", at(60), at(70)); // inside a (and b)
+  tracer.complete("test", "b", at(50), at(150)); // overlaps a: lane 1
+  tracer.complete("test", "e", at(200), at(300)); // after both
+  tracer.complete("test", "f", at(250), at(300)); // ends with e
+  tracer.complete("test", "g", at(90), at(110)); // overlaps a, inside b
+  tracer.complete("test", "h", at(95), at(160)); // overlaps a, b and g
+  tracer.instant("test", "i");
+  json document = json::parse(tracer.json());
+  std::map<std::string, int64_t> tid;
+  for (const auto& event : document.at("traceEvents")) {
+    if (event.at("ph") != "M") {
+      tid[event.at("name").get<std::string>()] = event.at("tid");
+    }
+  }
+  // The recording order is kept; only tids change.
+  EXPECT_EQ(
+      namesOf(tracer),
+      (std::vector<std::string>{
+          "c",
+          "a",
+          "d",
+          "b",
+          "e",
+          "f",
+          "g",
+          "h",
+          "i",
+          "thread_name",
+          "thread_name"}));
+  const int64_t thread = tid.at("a");
+  for (const char* name : {"c", "d", "e", "f", "i"}) {
+    EXPECT_EQ(tid.at(name), thread) << name;
+  }
+  EXPECT_NE(tid.at("b"), thread);
+  EXPECT_EQ(tid.at("g"), tid.at("b"));
+  EXPECT_NE(tid.at("h"), thread);
+  EXPECT_NE(tid.at("h"), tid.at("b"));
+  std::map<int64_t, std::string> names = threadNames(document);
+  EXPECT_EQ(names.size(), 2u);
+  EXPECT_EQ(
+      names.at(tid.at("b")),
+      "thread " + std::to_string(thread) + ", lane 1");
+  EXPECT_EQ(
+      names.at(tid.at("h")),
+      "thread " + std::to_string(thread) + ", lane 2");
+  expectSpansNestPerTid(document);
+  // The merge tool takes the lanes' metadata.
+  TempDir dir;
+  trace::WorkerTrace parsed = trace::readWorkerTrace(tracer.write(dir.path()));
+  EXPECT_EQ(parsed.rank, 0);
+}
+
+TEST(TracerTest, WritesTimesExactlyFromNanoseconds) {
+  Tracer tracer("w", 0, 10);
+  tracer.start();
+  auto start = Tracer::Clock::time_point(
+      std::chrono::nanoseconds(int64_t{123456789012345678}));
+  tracer.complete("test", "s", start, start + 1001ns);
+  tracer.complete("test", "backwards", start, start - 5ns);
+  std::string text = tracer.json();
+  EXPECT_NE(
+      text.find("\"ts\":123456789012345.678,\"dur\":1.001,"),
+      std::string::npos)
+      << text;
+  // An end before the start is written as an empty span.
+  EXPECT_NE(
+      text.find("\"ts\":123456789012345.678,\"dur\":0.000,"),
+      std::string::npos)
+      << text;
 }
 
 TEST(TracerTest, StepWindowTracesOnlyItsSteps) {
@@ -275,6 +398,43 @@ TEST_P(TracingTest, NestedCallsAreTracedOnEveryWorker) {
   EXPECT_EQ(eventsOf(job.byWorker["worker1"], "rpc.queue").size(), 3u);
   EXPECT_EQ(eventsOf(job.byWorker["worker1"], "rpc.handler").size(), 3u);
   expectMergeChecksPass(dir.path(), 3);
+}
+
+TEST_P(TracingTest, PipelinedCallsStayDrawableOnEveryThread) {
+  TempDir dir;
+  constexpr int kCalls = 48;
+  {
+    LocalCluster cluster(
+        GetParam(),
+        2,
+        [&](int, rpc::Options& o) { o.traceDirectory = dir.path(); },
+        [](int, rpc::Runtime& rt) {
+          rt.functions().add("add", [](int64_t a, int64_t b) -> int64_t {
+            return a + b;
+          });
+        });
+    std::vector<rpc::Future<int64_t>> futures;
+    for (int i = 0; i < kCalls; ++i) {
+      futures.push_back(
+          cluster[0].rpcAsync<int64_t>("worker1", "add", int64_t{i}, 1));
+    }
+    for (int i = 0; i < kCalls; ++i) {
+      EXPECT_EQ(futures[i].wait(), i + 1);
+    }
+    EXPECT_TRUE(cluster.shutdownAll());
+  }
+  JobFiles job = readJob(dir.path(), 2);
+  for (const auto& [worker, document] : job.byWorker) {
+    SCOPED_TRACE(worker);
+    expectSpansNestPerTid(document);
+  }
+  EXPECT_EQ(
+      eventsOf(job.byWorker["worker0"], "rpc.client").size(),
+      size_t(kCalls));
+  EXPECT_EQ(
+      eventsOf(job.byWorker["worker1"], "rpc.server").size(),
+      size_t(kCalls));
+  expectMergeChecksPass(dir.path(), 2);
 }
 
 TEST_P(TracingTest, AStepWindowIsTracedAcrossTheJob) {
