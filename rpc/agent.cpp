@@ -815,7 +815,16 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     std::vector<uint64_t> failedIds;
     {
       std::lock_guard<std::mutex> guard(mutex_);
-      connections_.erase(conn);
+      if (connections_.erase(conn) > 0) {
+        // Keeps what the transport counted on it (Note [Metrics]).
+        if (uint64_t misses = conn->connection->heartbeatMisses()) {
+          if (auto* counters = peerCounters(connectionPeer(*conn))) {
+            counters->heartbeatMisses.fetch_add(
+                misses,
+                std::memory_order_relaxed);
+          }
+        }
+      }
       if (conn->outgoing) {
         auto link = outgoing_.find(conn->peer);
         if (link != outgoing_.end() && link->second == conn) {
@@ -1021,6 +1030,9 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       std::vector<Clock::time_point> oldest(
           workers_.size(),
           Clock::time_point::max());
+      // Misses the transport counted on the connections open now; those of
+      // closed connections were added to the peer's counter as they closed.
+      std::vector<uint64_t> connectionMisses(workers_.size(), 0);
       {
         std::lock_guard<std::mutex> guard(mutex_);
         for (const auto& entry : pending_) {
@@ -1029,6 +1041,12 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
               call.peerId < static_cast<int64_t>(pending.size())) {
             ++pending[call.peerId];
             oldest[call.peerId] = std::min(oldest[call.peerId], call.sentAt);
+          }
+        }
+        for (const auto& conn : connections_) {
+          int64_t peer = connectionPeer(*conn);
+          if (peer >= 0 && peer < static_cast<int64_t>(pending.size())) {
+            connectionMisses[peer] += conn->connection->heartbeatMisses();
           }
         }
       }
@@ -1048,7 +1066,8 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
             c.messagesReceived.load(std::memory_order_relaxed);
         peer.bytesReceived = c.bytesReceived.load(std::memory_order_relaxed);
         peer.heartbeatMisses =
-            c.heartbeatMisses.load(std::memory_order_relaxed);
+            c.heartbeatMisses.load(std::memory_order_relaxed) +
+            connectionMisses[worker.id];
         peer.pendingCalls = pending[worker.id];
         if (oldest[worker.id] != Clock::time_point::max()) {
           peer.oldestPendingSeconds =
@@ -1377,6 +1396,13 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
         call.sentAt,
         now,
         std::move(args));
+  }
+
+  // The worker at the other end: known for outgoing connections, claimed
+  // by the first request for incoming ones (-1 before it).
+  static int64_t connectionPeer(const AgentConnection& conn) {
+    return conn.outgoing ? conn.peer
+                         : conn.claimedPeer.load(std::memory_order_relaxed);
   }
 
   detail::PeerCounters* peerCounters(int64_t id) {

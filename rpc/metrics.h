@@ -88,7 +88,9 @@ struct PeerMetrics {
   // Calls to it awaiting a reply now, and how long the oldest has waited.
   uint64_t pendingCalls = 0;
   double oldestPendingSeconds = 0;
-  // Heartbeat intervals that passed without a message from it.
+  // Heartbeat intervals that passed without a message from it, on any
+  // connection with it: counted by the transport's heartbeats where it has
+  // them (TCP), else by the agent's (Note [Agent heartbeats]).
   uint64_t heartbeatMisses = 0;
   // Non-empty once it was lost (Note [Lost workers]): the cause.
   std::string lostCause;
@@ -103,8 +105,8 @@ struct TransportMetrics {
   uint64_t zeroCopyBytes = 0;
   uint64_t copiedBytes = 0;
   uint64_t connectionsOpen = 0;
-  // Heartbeat intervals that passed without a message on some connection
-  // (a transport with heartbeats of its own).
+  // The transport's own heartbeat misses, summed over its connections (a
+  // transport with heartbeats of its own; PeerMetrics has them per peer).
   uint64_t heartbeatMisses = 0;
 };
 

@@ -50,8 +50,8 @@ struct TransportStats {
   uint64_t zeroCopyBytes = 0;
   uint64_t copiedBytes = 0;
   uint64_t connectionsOpen = 0;
-  // Heartbeat intervals that passed without a message on a connection
-  // (transports with heartbeats of their own).
+  // Heartbeat intervals that passed without a message, summed over the
+  // connections (transports with heartbeats of their own).
   uint64_t heartbeatMisses = 0;
 };
 
@@ -88,6 +88,13 @@ class Connection {
 
   // For logs and errors: the peer's address, as far as the transport knows.
   virtual std::string describe() const = 0;
+
+  // Heartbeat intervals that passed without a message on this connection,
+  // for transports with heartbeats of their own (detectsSilentPeers());
+  // others return 0. Any thread.
+  virtual uint64_t heartbeatMisses() const {
+    return 0;
+  }
 };
 
 // Creates connections to peers and accepts theirs. One per runtime.

@@ -221,6 +221,18 @@ TEST_P(
     ASSERT_EQ(entries.size(), 1u);
     EXPECT_EQ(entries[0].rfind("victim: ", 0), 0u) << entries[0];
     EXPECT_NE(entries[0].find("heartbeat"), std::string::npos) << entries[0];
+    // The silence shows in the metrics, against the victim: with 200 ms
+    // heartbeats and a 1 s timeout, several intervals passed unheard.
+    rpc::Metrics metrics = rt.metrics();
+    ASSERT_EQ(metrics.peers.size(), 1u);
+    EXPECT_EQ(metrics.peers[0].worker, "victim");
+    EXPECT_GE(metrics.peers[0].heartbeatMisses, 2u);
+    EXPECT_FALSE(metrics.peers[0].lostCause.empty());
+    if (GetParam() == rpc::TransportKind::kTcp) {
+      EXPECT_EQ(
+          metrics.transport.heartbeatMisses,
+          metrics.peers[0].heartbeatMisses);
+    }
     sendByte(lost[1]);
     // Serves (refuses) the resumed victim until it has seen the refusal.
     ASSERT_TRUE(waitForByte(refused[0], 30s));

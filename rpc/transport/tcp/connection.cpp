@@ -484,6 +484,7 @@ void TcpConnectionImpl::onHeartbeatTimerFromLoop() {
   auto silent = std::chrono::duration_cast<std::chrono::milliseconds>(
       Clock::now() - lastReceive_);
   if (silent > context_->options.heartbeatInterval) {
+    heartbeatMisses_.fetch_add(1, std::memory_order_relaxed);
     context_->heartbeatMisses.fetch_add(1, std::memory_order_relaxed);
   }
   if (silent > context_->options.peerTimeout) {
@@ -532,6 +533,10 @@ void TcpConnection::close() {
 
 std::string TcpConnection::describe() const {
   return impl_->describe();
+}
+
+uint64_t TcpConnection::heartbeatMisses() const {
+  return impl_->heartbeatMisses();
 }
 
 } // namespace tcp

@@ -15,6 +15,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -91,6 +92,9 @@ class TcpConnectionImpl
   // go out without waiting.
   void close(const std::string& why);
   std::string describe() const;
+  uint64_t heartbeatMisses() const {
+    return heartbeatMisses_.load(std::memory_order_relaxed);
+  }
   // The first error sticks: pending sends fail with it, the socket shuts
   // down (which ends the pending read), onError runs on the strand.
   // Returns the error that stuck.
@@ -200,6 +204,8 @@ class TcpConnectionImpl
   bool reading_ = false;
   std::string peerName_;
   Clock::time_point lastReceive_ = Clock::now();
+  // Written on the strand, read by metrics on any thread.
+  std::atomic<uint64_t> heartbeatMisses_{0};
   SameHostState sameHost_;
   bool dataCma_ = false; // the frame being read is kDataCma
   std::vector<uint64_t> cmaWords_; // its id, then an address per tensor
@@ -238,6 +244,7 @@ class TcpConnection : public Connection {
   void send(Message&& message, SendCallback done) override;
   void close() override;
   std::string describe() const override;
+  uint64_t heartbeatMisses() const override;
 
  private:
   const std::shared_ptr<TcpConnectionImpl> impl_;
