@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <csignal>
 #include <cstdlib>
 #include <string>
 
@@ -130,6 +131,19 @@ Options Options::fromEnvironment() {
   options.traceMaxEvents = static_cast<size_t>(maxEvents);
   if (const char* metrics = env("TORCHRPC_METRICS_ADDR")) {
     options.metricsAddress = metrics;
+  }
+  if (const char* signal = env("TORCHRPC_HANG_REPORT_SIGNAL")) {
+    std::string name = signal;
+    if (name.rfind("SIG", 0) == 0) {
+      name = name.substr(3);
+    }
+    TORCH_CHECK(
+        name == "USR1" || name == "USR2",
+        "TORCHRPC_HANG_REPORT_SIGNAL must be USR1 or USR2 (or empty for "
+        "none), got '",
+        signal,
+        "'");
+    options.hangReportSignal = name == "USR1" ? SIGUSR1 : SIGUSR2;
   }
   return options;
 }

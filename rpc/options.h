@@ -159,6 +159,13 @@ struct Options {
   // (Runtime::metricsAddress() says which). Empty: no endpoint. Bind it
   // where only the monitoring can reach: it does not ask for the secret.
   std::string metricsAddress;
+  // When set (SIGUSR1 or SIGUSR2), the worker prints the job's hang report
+  // (Runtime::gatherHangReport(), 5 s at most) to stderr each time it
+  // receives that signal: `kill -USR1 <pid>` asks a stuck job what it waits
+  // for. The runtime owns the signal's handler while it runs; like any
+  // handler, it makes a system call that the signal interrupts on another
+  // thread (poll(), sleeps) fail with EINTR. 0: off.
+  int hangReportSignal = 0;
 
   // Reads the launcher's identity variables into `launch`, rank and
   // worldSize (torchrun's, else Open MPI's, else Slurm's; see Note [Launch
@@ -168,7 +175,8 @@ struct Options {
   // TORCHRPC_SHARED_SECRET, TORCHRPC_PEER_TIMEOUT_MS,
   // TORCHRPC_RENDEZVOUS_TIMEOUT_MS, TORCHRPC_STORE_LISTEN_ADDR,
   // TORCHRPC_TRACE_DIR, TORCHRPC_TRACE_STEPS ("first:count"),
-  // TORCHRPC_TRACE_MAX_EVENTS and TORCHRPC_METRICS_ADDR. With no
+  // TORCHRPC_TRACE_MAX_EVENTS, TORCHRPC_METRICS_ADDR and
+  // TORCHRPC_HANG_REPORT_SIGNAL ("USR1", "USR2", or empty). With no
   // launcher's variables, rank 0 of 1. Throws c10::Error naming the variable
   // (and launcher) that is missing or malformed.
   static Options fromEnvironment();

@@ -6,13 +6,19 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <algorithm>
+#include <cerrno>
+#include <csignal>
+#include <cstring>
 #include <tuple>
 #include <utility>
+
+#include <unistd.h>
 
 #include "torchrpc/rpc/detail/call_handler.h"
 #include "torchrpc/rpc/detail/logging.h"
 #include "torchrpc/rpc/detail/metrics_http_server.h"
 #include "torchrpc/rpc/detail/rendezvous.h"
+#include "torchrpc/rpc/detail/signal_watcher.h"
 #include "torchrpc/rpc/log_level.h"
 #include "torchrpc/rpc/metrics.h"
 #include "torchrpc/rpc/tracing.h"
@@ -120,6 +126,13 @@ void validateOptions(const Options& options) {
   if (!options.metricsAddress.empty()) {
     parseMetricsAddress(options.metricsAddress);
   }
+  TORCH_CHECK(
+      options.hangReportSignal == 0 || options.hangReportSignal == SIGUSR1 ||
+          options.hangReportSignal == SIGUSR2,
+      "Options::hangReportSignal (TORCHRPC_HANG_REPORT_SIGNAL) must be 0, "
+      "SIGUSR1 or SIGUSR2, not ",
+      options.hangReportSignal,
+      ": other signals mean something else to the process");
   TORCH_CHECK(
       options.worldSize >= 1,
       "worldSize must be at least 1, got ",
@@ -321,6 +334,18 @@ void Runtime::start() {
 }
 
 void Runtime::startObservability() {
+  if (options_.hangReportSignal != 0) {
+    try {
+      hangReportWatcher_ = std::make_unique<detail::SignalWatcher>(
+          options_.hangReportSignal,
+          [this] { printHangReport(); });
+    } catch (...) {
+      // As for the metrics endpoint: the job runs without it.
+      TORCHRPC_LOG(kWarning) << self_.name << ": no hang report on signal "
+                             << options_.hangReportSignal << ": "
+                             << describeException(std::current_exception());
+    }
+  }
   if (options_.metricsAddress.empty()) {
     return;
   }
@@ -405,6 +430,30 @@ std::string Runtime::hangReport() const {
   return out;
 }
 
+void Runtime::printHangReport() {
+  const char* name = ::strsignal(options_.hangReportSignal);
+  std::string text = "torchrpc: '" + self_.name + "' (pid " +
+      std::to_string(::getpid()) + ") received " +
+      (name != nullptr ? name : "its hang-report signal") +
+      "; the job's hang report:\n" +
+      gatherHangReport(kSignalledHangReportTimeout);
+  // One write where possible, so that reports of workers sharing a
+  // terminal do not interleave line by line.
+  const char* data = text.data();
+  size_t left = text.size();
+  while (left > 0) {
+    ssize_t written = ::write(STDERR_FILENO, data, left);
+    if (written < 0 && errno == EINTR) {
+      continue;
+    }
+    if (written <= 0) {
+      break;
+    }
+    data += written;
+    left -= static_cast<size_t>(written);
+  }
+}
+
 std::string Runtime::gatherHangReport(std::chrono::milliseconds timeout) {
   TORCH_CHECK(
       timeout.count() > 0,
@@ -460,6 +509,8 @@ const WorkerInfo& Runtime::worker(const WorkerRef& ref) const {
 
 bool Runtime::shutdown(bool graceful) {
   std::lock_guard<std::mutex> guard(lifecycleMutex_);
+  // First: a report it is printing must not see the runtime go away.
+  hangReportWatcher_.reset();
   if (state_ == State::kShutDown) {
     return true;
   }

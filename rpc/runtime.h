@@ -27,6 +27,7 @@ struct Metrics;
 class Tracer;
 namespace detail {
 class MetricsHttpServer;
+class SignalWatcher;
 } // namespace detail
 
 // Issues calls with per-call settings: `rt.withTimeout(100ms).rpcSync<R>(...)`.
@@ -235,6 +236,9 @@ class Runtime {
   // and gathered within `timeout`; a worker that does not answer in time
   // is named as such. Never throws for an unreachable worker.
   std::string gatherHangReport(std::chrono::milliseconds timeout);
+  // How long the report a signal asks for (Options::hangReportSignal)
+  // waits for the other workers.
+  static constexpr std::chrono::seconds kSignalledHangReportTimeout{5};
 
  private:
   friend class Caller;
@@ -243,6 +247,7 @@ class Runtime {
   void registerCallHandler();
   void registerHangReportHandler();
   void startObservability();
+  void printHangReport();
   void closeAgentAndLayers();
 
   const WorkerInfo self_;
@@ -252,6 +257,7 @@ class Runtime {
   std::vector<std::shared_ptr<RuntimeLayer>> layers_;
   std::shared_ptr<struct RuntimeStore> store_;
   std::unique_ptr<detail::MetricsHttpServer> metricsServer_;
+  std::unique_ptr<detail::SignalWatcher> hangReportWatcher_;
   const std::chrono::steady_clock::time_point createdAt_;
   std::mutex lifecycleMutex_;
   std::atomic<State> state_{State::kCreated};

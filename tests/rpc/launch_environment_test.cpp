@@ -6,6 +6,10 @@
 
 #include <c10/util/Exception.h>
 
+#include <csignal>
+#include <cstdlib>
+#include <utility>
+
 #include "tests/support/scoped_env.h"
 #include "torchrpc/rpc/detail/rendezvous.h"
 #include "torchrpc/rpc/launch_environment.h"
@@ -32,6 +36,29 @@ void expectErrorNames(const std::string& variable, const char* launcher) {
   std::string message = errorOfFromEnvironment();
   EXPECT_NE(message.find(variable), std::string::npos) << message;
   EXPECT_NE(message.find(launcher), std::string::npos) << message;
+}
+
+TEST(LaunchEnvironment, HangReportSignalIsReadByName) {
+  ScopedLauncherEnv env;
+  struct Unset {
+    ~Unset() {
+      ::unsetenv("TORCHRPC_HANG_REPORT_SIGNAL");
+    }
+  } unset;
+  EXPECT_EQ(rpc::Options::fromEnvironment().hangReportSignal, 0);
+  for (auto [text, signal] :
+       {std::pair{"USR1", SIGUSR1},
+        std::pair{"SIGUSR1", SIGUSR1},
+        std::pair{"USR2", SIGUSR2},
+        std::pair{"SIGUSR2", SIGUSR2}}) {
+    ::setenv("TORCHRPC_HANG_REPORT_SIGNAL", text, 1);
+    EXPECT_EQ(rpc::Options::fromEnvironment().hangReportSignal, signal) << text;
+  }
+  ::setenv("TORCHRPC_HANG_REPORT_SIGNAL", "TERM", 1);
+  EXPECT_EQ(
+      errorOfFromEnvironment(),
+      "TORCHRPC_HANG_REPORT_SIGNAL must be USR1 or USR2 (or empty for none), "
+      "got 'TERM'");
 }
 
 TEST(LaunchEnvironment, NoLauncherIsRankZeroOfOne) {

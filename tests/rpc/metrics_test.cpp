@@ -4,14 +4,21 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <poll.h>
+#include <signal.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <map>
 #include <regex>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "tests/support/child_processes.h"
 #include "tests/support/gate.h"
 #include "tests/support/http_client.h"
 #include "tests/support/local_cluster.h"
@@ -412,6 +419,111 @@ TEST(MetricsEndpointTest, AMalformedAddressIsRefusedNamingTheOption) {
               std::string(e.what()).find(
                   "Options::metricsAddress (TORCHRPC_METRICS_ADDR) must be "
                   "host:port, not '127.0.0.1'"),
+              std::string::npos)
+              << e.what();
+          throw;
+        }
+      },
+      c10::Error);
+}
+
+// Options::hangReportSignal, as a user of a stuck job meets it: `kill -USR1
+// <pid>` makes the worker print the whole job's hang report to its stderr.
+// A forked child runs the job with its stderr on a pipe this test reads.
+TEST(HangReportSignalMultiProcess, KillUsr1PrintsTheJobsHangReport) {
+  int errPipe[2], ready[2], done[2];
+  ASSERT_EQ(::pipe(errPipe), 0);
+  ASSERT_EQ(::pipe(ready), 0);
+  ASSERT_EQ(::pipe(done), 0);
+  testing::ChildProcesses children;
+  pid_t child = children.spawn([&] {
+    ::dup2(errPipe[1], STDERR_FILENO);
+    Gate gate;
+    LocalCluster cluster(
+        rpc::TransportKind::kInProcess,
+        2,
+        [](int rank, rpc::Options& o) {
+          if (rank == 0) {
+            o.hangReportSignal = SIGUSR1;
+          }
+        },
+        [&gate](int, rpc::Runtime& rt) {
+          rt.functions().add("block", [&gate]() { return gate.pass(); });
+        });
+    OpenOnExit opener(gate);
+    auto blocked =
+        cluster[0].withTimeout(60s).rpcAsync<bool>("worker1", "block");
+    ASSERT_TRUE(gate.waitForWaiting(1));
+    char byte = 1;
+    ASSERT_EQ(::write(ready[1], &byte, 1), 1);
+    // The signal may land on this thread: its poll() then fails with EINTR,
+    // as any blocking call does when a handler runs.
+    pollfd until{done[0], POLLIN, 0};
+    int polled = 0;
+    int attempts = 0;
+    do {
+      polled = ::poll(&until, 1, 30000);
+    } while (polled < 0 && errno == EINTR && ++attempts < 100);
+    ASSERT_EQ(polled, 1) << "the test never finished";
+    gate.open();
+    EXPECT_TRUE(blocked.wait());
+    EXPECT_TRUE(cluster.shutdownAll());
+  });
+  ::close(errPipe[1]);
+  pollfd started{ready[0], POLLIN, 0};
+  ASSERT_EQ(::poll(&started, 1, 30000), 1) << "the job never started";
+  ASSERT_EQ(::kill(child, SIGUSR1), 0);
+
+  std::string err;
+  const std::regex report(
+      "torchrpc: 'worker0' \\(pid [0-9]+\\) received User defined signal "
+      "1; the job's hang report:\n"
+      "'worker0' \\(rank 0\\) waits for:\n"
+      "  call #[0-9]+ \\(block\\) to 'worker1' awaits its reply for "
+      "[0-9.]+ ms\n"
+      "'worker1' \\(rank 1\\) waits for nothing\n");
+  auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (!std::regex_search(err, report) &&
+         std::chrono::steady_clock::now() < deadline) {
+    pollfd readable{errPipe[0], POLLIN, 0};
+    if (::poll(&readable, 1, 100) == 1) {
+      char buffer[4096];
+      ssize_t n = ::read(errPipe[0], buffer, sizeof(buffer));
+      if (n <= 0) {
+        break;
+      }
+      err.append(buffer, static_cast<size_t>(n));
+    }
+  }
+  EXPECT_TRUE(std::regex_search(err, report)) << err;
+  char byte = 1;
+  ASSERT_EQ(::write(done[1], &byte, 1), 1);
+  // Drains the rest so that the child never blocks on a full pipe.
+  std::thread drain([fd = errPipe[0]] {
+    char buffer[4096];
+    while (::read(fd, buffer, sizeof(buffer)) > 0) {
+    }
+  });
+  EXPECT_EQ(children.wait(child, 60s), 0);
+  drain.join();
+  for (int fd : {errPipe[0], ready[0], ready[1], done[0], done[1]}) {
+    ::close(fd);
+  }
+}
+
+TEST(HangReportSignalTest, OnlyTheUserSignalsAreAccepted) {
+  EXPECT_THROW(
+      {
+        try {
+          LocalCluster cluster(
+              rpc::TransportKind::kInProcess,
+              1,
+              [](int, rpc::Options& o) { o.hangReportSignal = SIGTERM; });
+        } catch (const c10::Error& e) {
+          EXPECT_NE(
+              std::string(e.what()).find(
+                  "Options::hangReportSignal (TORCHRPC_HANG_REPORT_SIGNAL) "
+                  "must be 0, SIGUSR1 or SIGUSR2, not 15"),
               std::string::npos)
               << e.what();
           throw;
