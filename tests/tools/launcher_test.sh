@@ -234,6 +234,43 @@ case "${case_name}" in
   ForwardsSigtermAndExitsWhenWorkersAreGone)
     forward_signal TERM 143
     ;;
+  PassesSigusr1ToTheLowestRankForAHangReport)
+    env -u TORCHRPC_HANG_REPORT_SIGNAL timeout -k 5 30 "${launcher}" \
+      --nproc-per-node 2 -- "${worker}" hang-report >"${out}" 2>"${err}" &
+    launcher_pid=$!
+    for _ in $(seq 100); do
+      [[ $(grep -c 'ready' "${out}") -eq 2 ]] && break
+      sleep 0.1
+    done
+    [[ $(grep -c 'ready' "${out}") -eq 2 ]] || fail "workers never got ready"
+    expect_line "${out}" "[rank 0]: TORCHRPC_HANG_REPORT_SIGNAL=USR1"
+    expect_line "${out}" "[rank 1]: TORCHRPC_HANG_REPORT_SIGNAL=USR1"
+    real_launcher=$(ps -o pid= --ppid "${launcher_pid}" | head -1 | tr -d ' ')
+    [[ -n "${real_launcher}" ]] || fail "no launcher process under timeout"
+    kill -USR1 "${real_launcher}"
+    for _ in $(seq 100); do
+      grep -q 'got SIGUSR1' "${out}" && break
+      sleep 0.1
+    done
+    expect_line "${out}" "[rank 0]: rank 0 got SIGUSR1"
+    expect_match "${err}" 'got SIGUSR1, asking rank 0 \(pid [0-9]+\) for the job.s hang report'
+    # Only rank 0, and the job goes on.
+    sleep 0.5
+    grep -q 'rank 1 got SIGUSR1' "${out}" && fail "rank 1 got SIGUSR1 too"
+    kill -0 "${real_launcher}" 2>/dev/null || fail "the launcher stopped on SIGUSR1"
+    kill -TERM "${real_launcher}"
+    wait "${launcher_pid}"
+    rc=$?
+    launcher_pid=""
+    expect_rc 143
+    expect_workers_gone
+    # The user's own setting is kept; empty turns it off.
+    TORCHRPC_HANG_REPORT_SIGNAL= run 30 -- "${worker}" hang-report-env
+    expect_rc 0
+    expect_line "${out}" "[rank 0]: TORCHRPC_HANG_REPORT_SIGNAL="
+    TORCHRPC_HANG_REPORT_SIGNAL=USR2 run 30 -- "${worker}" hang-report-env
+    expect_line "${out}" "[rank 0]: TORCHRPC_HANG_REPORT_SIGNAL=USR2"
+    ;;
   SignalWhileStoppingDoesNotRestart)
     start=${SECONDS}
     timeout -k 5 30 "${launcher}" --nproc-per-node 2 --max-restarts 3 \

@@ -94,6 +94,22 @@ case "$1" in
     fi
     sleep_long
     ;;
+  hang-report-env)
+    echo "TORCHRPC_HANG_REPORT_SIGNAL=${TORCHRPC_HANG_REPORT_SIGNAL-unset}"
+    ;;
+  hang-report)
+    # Says which signal it was told to print a hang report on, and when it
+    # gets SIGUSR1; SIGTERM ends it.
+    echo "TORCHRPC_HANG_REPORT_SIGNAL=${TORCHRPC_HANG_REPORT_SIGNAL-unset}"
+    trap 'echo "rank ${rank} got SIGUSR1"' USR1
+    trap 'exit 0' TERM
+    echo "ready"
+    # A trap interrupts the wait; keep waiting (60 s at most).
+    for _ in $(seq 60); do
+      sleep 1 &
+      wait $!
+    done
+    ;;
   wait-for-signal)
     trap 'echo "rank ${rank} got SIGINT"; exit 0' INT
     trap 'echo "rank ${rank} got SIGTERM"; exit 0' TERM

@@ -7,7 +7,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <sstream>
 #include <stdexcept>
@@ -42,6 +44,9 @@ std::map<std::string, std::string> LaunchConfig::workerEnvironment(
   }
   if (!traceSteps.empty()) {
     environment["TORCHRPC_TRACE_STEPS"] = traceSteps;
+  }
+  if (setsHangReportSignal) {
+    environment["TORCHRPC_HANG_REPORT_SIGNAL"] = "USR1";
   }
   if (metricsPort > 0) {
     environment["TORCHRPC_METRICS_ADDR"] =
@@ -97,7 +102,10 @@ bool parseCommandLine(
       "Starts the workers of a torchrpc job on this node with torchrun's "
       "environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), prefixes "
       "their output with their rank, stops them all when one fails, and "
-      "restarts the group up to --max-restarts times.",
+      "restarts the group up to --max-restarts times. `kill -USR1` on the "
+      "launcher prints the job's hang report (the lowest running rank's "
+      "stderr; workers get TORCHRPC_HANG_REPORT_SIGNAL=USR1 unless it is "
+      "set, and empty turns it off).",
       "torchrpc-launch");
   // Everything from the program on belongs to the program.
   app.prefix_command();
@@ -229,6 +237,17 @@ bool parseCommandLine(
   }
   config.stopGrace =
       std::chrono::milliseconds(static_cast<int64_t>(graceSeconds * 1000));
+  if (const char* signal = std::getenv("TORCHRPC_HANG_REPORT_SIGNAL")) {
+    std::string name = signal;
+    if (name.rfind("SIG", 0) == 0) {
+      name = name.substr(3);
+    }
+    config.hangReportSignal =
+        name == "USR1" ? SIGUSR1 : (name == "USR2" ? SIGUSR2 : 0);
+  } else {
+    config.hangReportSignal = SIGUSR1;
+    config.setsHangReportSignal = true;
+  }
   return true;
 }
 

@@ -33,6 +33,13 @@ struct LaunchConfig {
   std::string traceSteps;
   int metricsPort = 0;
   std::string metricsHost = "127.0.0.1";
+  // The signal on which workers print the job's hang report
+  // (TORCHRPC_HANG_REPORT_SIGNAL): SIGUSR1, which the launcher sets for
+  // them unless its own environment has the variable (then SIGUSR1 or
+  // SIGUSR2 as it says, 0 for empty or anything else). The launcher's own
+  // SIGUSR1 is passed on as this signal to the lowest running rank.
+  int hangReportSignal = 0;
+  bool setsHangReportSignal = false;
   // The program and its arguments.
   std::vector<std::string> command;
 

@@ -13,7 +13,8 @@
 //    grace, then the launcher exits 128 + the signal).
 // 3. Signals reach the loop through a self-pipe, so every wait in the loop
 //    is a poll() with a timeout and nothing runs in a signal handler but
-//    write().
+//    write(). SIGUSR1 stops nothing: it is passed on to the lowest running
+//    rank as the workers' hang-report signal (README "Why is it stuck?").
 // NB: restarts are per node; with --nnodes > 1 the other nodes' launchers
 // do not learn of a restart here.
 
@@ -50,7 +51,7 @@ void installSignalHandlers() {
   action.sa_handler = onSignal;
   sigemptyset(&action.sa_mask);
   action.sa_flags = SA_RESTART;
-  for (int signal : {SIGINT, SIGTERM, SIGHUP}) {
+  for (int signal : {SIGINT, SIGTERM, SIGHUP, SIGUSR1}) {
     ::sigaction(signal, &action, nullptr);
   }
   // A closed terminal or pipe must not kill the launcher before it stops

@@ -268,10 +268,35 @@ void WorkerGroup::drain(milliseconds bound) {
   }
 }
 
+void WorkerGroup::askForHangReport() {
+  auto say = [](const std::string& line) {
+    std::string out = "torchrpc-launch: " + line + "\n";
+    writeAll(STDERR_FILENO, out.data(), out.size());
+  };
+  if (config_.hangReportSignal == 0) {
+    say("got SIGUSR1, but the workers have no hang-report signal "
+        "(TORCHRPC_HANG_REPORT_SIGNAL is set, but not to USR1 or USR2)");
+    return;
+  }
+  for (auto& worker : workers_) {
+    if (worker.running) {
+      // The worker alone, not its process group: one report for the job.
+      ::kill(worker.pid, config_.hangReportSignal);
+      say("got SIGUSR1, asking rank " + std::to_string(worker.rank) + " (pid " +
+          std::to_string(worker.pid) + ") for the job's hang report");
+      return;
+    }
+  }
+}
+
 GroupOutcome WorkerGroup::run(int signalFd) {
   GroupOutcome outcome;
   while (true) {
     int signal = pump(signalFd, milliseconds(100));
+    if (signal == SIGUSR1) {
+      askForHangReport();
+      continue;
+    }
     if (signal != 0) {
       outcome.kind = GroupOutcome::Kind::kInterrupted;
       outcome.signal = signal;
@@ -298,6 +323,10 @@ int WorkerGroup::stop(int signal, int signalFd) {
   auto deadline = Clock::now() + config_.stopGrace;
   while (runningCount() > 0 && Clock::now() < deadline) {
     received = pump(signalFd, milliseconds(50));
+    if (received == SIGUSR1) {
+      askForHangReport();
+      received = 0;
+    }
     if (received != 0) {
       break; // asked (again) to stop: do not wait out the grace period
     }

@@ -53,7 +53,12 @@ class WorkerGroup {
 
   // Relays output until every worker exited 0, one failed, or a byte (the
   // signal number) arrives on `signalFd`. Waits as long as the workers run.
+  // SIGUSR1 does not end it: it asks for a hang report (askForHangReport).
   GroupOutcome run(int signalFd);
+
+  // Sends the workers' hang-report signal (LaunchConfig::hangReportSignal)
+  // to the lowest running rank, which prints the whole job's report.
+  void askForHangReport();
 
   // Sends `signal` to every worker still running, waits up to the grace
   // period for them to exit (escalating at once if another signal arrives
