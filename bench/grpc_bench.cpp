@@ -230,8 +230,7 @@ int runServer(int portFd, int stopFd, int lifetimeMs) {
   return 0;
 }
 
-// ---- the client (worker0) and its workloads
-// ----------------------------------
+// ---- the client (worker0) and its workloads ---------------------------------
 
 std::chrono::system_clock::time_point callDeadline() {
   return std::chrono::system_clock::now() + kCallTimeout;
@@ -492,8 +491,7 @@ int runClient(const Settings& s, int port, int resultFd, int goFd) {
   }
 }
 
-// ---- the parent
-// ---------------------------------------------------------------
+// ---- the parent -------------------------------------------------------------
 
 // CPU seconds (user + sys, all threads) a process has used.
 double cpuSeconds(pid_t pid) {
