@@ -108,6 +108,36 @@ void appendArgs(std::string& out, const TraceArgs& args) {
   out += '}';
 }
 
+// An event's JSON object up to its tid, which Tracer::append() completes:
+// `opening` (the phase), then category, name, ts, dur (spans only), args
+// and pid.
+std::string eventText(
+    const char* opening,
+    const char* category,
+    const std::string& name,
+    int64_t startNs,
+    const int64_t* durationNs,
+    const TraceArgs& args,
+    int64_t rank) {
+  std::string text;
+  text.reserve(160 + name.size());
+  text += opening;
+  text += "\"cat\":";
+  appendEscaped(text, category);
+  text += ",\"name\":";
+  appendEscaped(text, name);
+  text += ",\"ts\":";
+  appendMicros(text, startNs);
+  if (durationNs != nullptr) {
+    text += ",\"dur\":";
+    appendMicros(text, *durationNs);
+  }
+  text += ',';
+  appendArgs(text, args);
+  text += ",\"pid\":" + std::to_string(rank) + ",\"tid\":";
+  return text;
+}
+
 } // namespace
 
 Tracer::Tracer(std::string worker, int64_t rank, size_t maxEvents)
@@ -199,19 +229,15 @@ void Tracer::complete(
   event.span = true;
   event.startNs = nanosOf(start);
   event.endNs = std::max(event.startNs, nanosOf(end));
-  std::string& text = event.json;
-  text.reserve(160 + name.size());
-  text += "{\"ph\":\"X\",\"cat\":";
-  appendEscaped(text, category);
-  text += ",\"name\":";
-  appendEscaped(text, name);
-  text += ",\"ts\":";
-  appendMicros(text, event.startNs);
-  text += ",\"dur\":";
-  appendMicros(text, event.endNs - event.startNs);
-  text += ',';
-  appendArgs(text, args);
-  text += ",\"pid\":" + std::to_string(rank_) + ",\"tid\":";
+  const int64_t duration = event.endNs - event.startNs;
+  event.json = eventText(
+      "{\"ph\":\"X\",",
+      category,
+      name,
+      event.startNs,
+      &duration,
+      args,
+      rank_);
   append(std::move(event));
 }
 
@@ -221,16 +247,14 @@ void Tracer::instant(const char* category, std::string name, TraceArgs args) {
   }
   Event event;
   event.startNs = event.endNs = nanosOf(Clock::now());
-  std::string& text = event.json;
-  text = "{\"ph\":\"i\",\"s\":\"t\",\"cat\":";
-  appendEscaped(text, category);
-  text += ",\"name\":";
-  appendEscaped(text, name);
-  text += ",\"ts\":";
-  appendMicros(text, event.startNs);
-  text += ',';
-  appendArgs(text, args);
-  text += ",\"pid\":" + std::to_string(rank_) + ",\"tid\":";
+  event.json = eventText(
+      "{\"ph\":\"i\",\"s\":\"t\",",
+      category,
+      name,
+      event.startNs,
+      nullptr,
+      args,
+      rank_);
   append(std::move(event));
 }
 
