@@ -19,11 +19,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <fstream>
@@ -34,15 +32,17 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "bench/bench_support.h"
 #include "bench/grpc_bench.grpc.pb.h"
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
 using torchrpc::bench::Bench;
 using TensorMessage = torchrpc::bench::Tensor;
+using namespace torchrpc::bench;
 
 // Above the largest request (64 MiB of tensor plus its framing): gRPC's
 // default receive limit is 4 MiB, which a user shipping tensors raises.
@@ -51,56 +51,12 @@ constexpr int kMaxMessageBytes = 128 << 20;
 // timeouts bound theirs.
 constexpr auto kCallTimeout = std::chrono::seconds(60);
 
-struct Settings {
-  std::string workload;
-  bool quick = false;
-};
+// No --transport: gRPC's one is HTTP/2 over TCP.
+const Program kProgram = {"grpc_bench", "[--quick]", ""};
 
-struct Result {
-  std::string metric;
-  std::string unit;
-  std::string better;
-};
-
-[[noreturn]] void usage(const std::string& why) {
-  std::cerr << "grpc_bench: " << why
-            << "\nusage: grpc_bench --workload NAME [--quick]\n";
-  std::exit(2);
-}
-
-Settings parse(int argc, char** argv) {
-  Settings s;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "--workload" && i + 1 < argc) {
-      s.workload = argv[++i];
-    } else if (arg == "--quick") {
-      s.quick = true;
-    } else {
-      usage("unknown argument '" + arg + "'");
-    }
-  }
-  if (s.workload.empty()) {
-    usage("--workload is required");
-  }
-  return s;
-}
-
-std::string jsonString(const std::string& text) {
-  std::string out = "\"";
-  for (char c : text) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char escaped[8];
-      std::snprintf(escaped, sizeof(escaped), "\\u%04x", c);
-      out += escaped;
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
+// What only this side's line carries: which gRPC measured.
+std::vector<std::pair<std::string, std::string>> versionKey() {
+  return {{"grpc_version", GRPC_CPP_VERSION_STRING}};
 }
 
 // ---- tensors as protobuf bytes ---------------------------------------------
@@ -267,28 +223,6 @@ at::Tensor callSync(
     throw std::runtime_error(std::string(name) + ": malformed reply");
   }
   return *result;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
-
-double microsSince(Clock::time_point start) {
-  return std::chrono::duration<double, std::micro>(Clock::now() - start)
-      .count();
-}
-
-void printDistribution(const char* what, std::vector<double> times) {
-  std::sort(times.begin(), times.end());
-  auto percentile = [&times](double q) {
-    return times[std::min(times.size() - 1, size_t(q * times.size()))];
-  };
-  std::cerr << what << ": n=" << times.size() << " min=" << times.front()
-            << " p10=" << percentile(0.1) << " median=" << median(times)
-            << " p90=" << percentile(0.9) << " p99=" << percentile(0.99)
-            << " max=" << times.back() << " (us)\n";
 }
 
 double callRtt(Bench::Stub& stub, bool quick) {
@@ -510,28 +444,6 @@ double cpuSeconds(pid_t pid) {
   return ticks / sysconf(_SC_CLK_TCK);
 }
 
-void printLine(
-    const Settings& s,
-    const Result& result,
-    std::optional<double> value,
-    const std::string& error) {
-  char number[32] = "null";
-  if (value) {
-    std::snprintf(number, sizeof(number), "%.6g", *value);
-  }
-  std::printf(
-      "{\"workload\": \"%s\", \"metric\": \"%s\", \"unit\": \"%s\", "
-      "\"value\": %s, \"better\": \"%s\", \"grpc_version\": \"%s\"%s}\n",
-      s.workload.c_str(),
-      result.metric.c_str(),
-      result.unit.c_str(),
-      number,
-      result.better.c_str(),
-      GRPC_CPP_VERSION_STRING,
-      error.empty() ? "" : (", \"error\": " + jsonString(error)).c_str());
-  std::fflush(stdout);
-}
-
 // The two processes of a run, killed and reaped by pid however it ends.
 class Workers {
  public:
@@ -669,19 +581,7 @@ double runWorkload(const Settings& s) {
 } // namespace
 
 int main(int argc, char** argv) {
-  Settings s = parse(argc, argv);
-  static const std::vector<std::pair<std::string, Result>> kWorkloads = {
-      {"call_rtt_1elem", {"median_rtt", "us", "lower"}},
-      {"calls_per_s_64_outstanding", {"throughput", "calls/s", "higher"}},
-      {"bandwidth_4MiB", {"bandwidth", "GB/s", "higher"}},
-      {"bandwidth_64MiB", {"bandwidth", "GB/s", "higher"}},
-      {"idle_cpu_cores", {"idle_cpu", "cores", "lower"}},
-      {"remote_to_here_rtt", {"median_rtt", "us", "lower"}},
-      {"rref_create_delete_per_s", {"rate", "rrefs/s", "higher"}},
-      {"dist_autograd_overhead", {"overhead_per_iter", "us", "lower"}},
-      {"dist_optimizer_step", {"median_step", "us", "lower"}},
-      {"ps_steps_per_s_vs_local", {"steps_per_s_ratio", "ratio", "higher"}},
-  };
+  Settings s = parseCommandLine(kProgram, argc, argv);
   // Workloads on PyTorch RPC's higher layers: a gRPC user would have to
   // build those layers first, so there is nothing to measure.
   static const std::vector<std::pair<std::string, std::string>> kNoEquivalent =
@@ -699,17 +599,9 @@ int main(int argc, char** argv) {
            "no gRPC equivalent: gRPC has no remote modules, distributed "
            "autograd or distributed optimizer"},
       };
-  auto known =
-      std::find_if(kWorkloads.begin(), kWorkloads.end(), [&](const auto& w) {
-        return w.first == s.workload;
-      });
-  if (known == kWorkloads.end()) {
-    usage("unknown workload '" + s.workload + "'");
-  }
-  const Result& result = known->second;
   for (const auto& [workload, reason] : kNoEquivalent) {
     if (workload == s.workload) {
-      printLine(s, result, std::nullopt, reason);
+      printResultLine(s, std::nullopt, versionKey(), reason);
       return 0;
     }
   }
@@ -719,11 +611,11 @@ int main(int argc, char** argv) {
   // threads and descriptors do not survive a fork.
   try {
     double value = runWorkload(s);
-    printLine(s, result, value, "");
+    printResultLine(s, value, versionKey());
     return 0;
   } catch (const std::exception& e) {
     std::cerr << "grpc_bench: " << e.what() << "\n";
-    printLine(s, result, std::nullopt, e.what());
+    printResultLine(s, std::nullopt, versionKey(), e.what());
     return 1;
   }
 }

@@ -11,7 +11,6 @@
 #include <ATen/ATen.h>
 #include <torch/torch.h>
 
-#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -21,8 +20,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <deque>
 #include <fstream>
 #include <functional>
@@ -36,53 +33,21 @@
 #include <thread>
 #include <vector>
 
+#include "bench/bench_support.h"
 #include "torchrpc/torchrpc.h"
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
 using torchrpc::RRef;
 using torchrpc::Runtime; // with the RRef layer installed
 using torchrpc::rpc::Options;
+using namespace torchrpc::bench;
 
-struct Settings {
-  std::string workload;
-  std::string transport = "tcp"; // the runtime's default
-  bool quick = false;
+const Program kProgram = {
+    "torchrpc_bench",
+    "[--transport tcp|tensorpipe|tensorpipe-shm] [--quick]",
+    "tcp", // the runtime's default transport
 };
-
-struct Result {
-  std::string metric;
-  std::string unit;
-  std::string better;
-};
-
-[[noreturn]] void usage(const std::string& why) {
-  std::cerr << "torchrpc_bench: " << why
-            << "\nusage: torchrpc_bench --workload NAME "
-               "[--transport tcp|tensorpipe|tensorpipe-shm] [--quick]\n";
-  std::exit(2);
-}
-
-Settings parse(int argc, char** argv) {
-  Settings s;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "--workload" && i + 1 < argc) {
-      s.workload = argv[++i];
-    } else if (arg == "--transport" && i + 1 < argc) {
-      s.transport = argv[++i];
-    } else if (arg == "--quick") {
-      s.quick = true;
-    } else {
-      usage("unknown argument '" + arg + "'");
-    }
-  }
-  if (s.workload.empty()) {
-    usage("--workload is required");
-  }
-  return s;
-}
 
 // Workers of a workload: worker0 drives, the others serve.
 int worldSize(const std::string& workload) {
@@ -108,22 +73,11 @@ Options workerOptions(int rank, const Settings& s, const std::string& store) {
     o.transport = torchrpc::rpc::TransportKind::kTensorPipe;
     o.tensorpipeTransports = {"shm", "uv"};
   } else {
-    usage("unknown transport '" + s.transport + "'");
+    usage(kProgram, "unknown transport '" + s.transport + "'");
   }
   o.rendezvousTimeout = std::chrono::seconds(60);
   o.shutdownTimeout = std::chrono::seconds(60);
   return o;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
-
-double microsSince(Clock::time_point start) {
-  return std::chrono::duration<double, std::micro>(Clock::now() - start)
-      .count();
 }
 
 // ---- the workloads, run on worker0 -----------------------------------------
@@ -438,17 +392,7 @@ double distOptimizerStep(Runtime& rt, bool quick) {
          (times.empty() || Clock::now() < end)) {
     times.push_back(iteration());
   }
-  std::vector<double> sorted = times;
-  std::sort(sorted.begin(), sorted.end());
-  auto percentile = [&sorted](double q) {
-    return sorted[std::min(
-        sorted.size() - 1,
-        static_cast<size_t>(q * sorted.size()))];
-  };
-  std::cerr << "step: n=" << sorted.size() << " min=" << sorted.front()
-            << " p10=" << percentile(0.1) << " median=" << median(times)
-            << " p90=" << percentile(0.9) << " p99=" << percentile(0.99)
-            << " max=" << sorted.back() << " (us)\n";
+  printDistribution("step", times);
   auto counts = opt.stepCounts();
   std::cerr << "steps applied: " << counts.at(0) << " on " << kOptimOwners[0]
             << ", " << counts.at(1) << " on " << kOptimOwners[1] << "\n";
@@ -697,27 +641,7 @@ int runWorker(
 } // namespace
 
 int main(int argc, char** argv) {
-  Settings s = parse(argc, argv);
-  static const std::vector<std::pair<std::string, Result>> kWorkloads = {
-      {"call_rtt_1elem", {"median_rtt", "us", "lower"}},
-      {"calls_per_s_64_outstanding", {"throughput", "calls/s", "higher"}},
-      {"bandwidth_4MiB", {"bandwidth", "GB/s", "higher"}},
-      {"bandwidth_64MiB", {"bandwidth", "GB/s", "higher"}},
-      {"idle_cpu_cores", {"idle_cpu", "cores", "lower"}},
-      {"remote_to_here_rtt", {"median_rtt", "us", "lower"}},
-      {"rref_create_delete_per_s", {"rate", "rrefs/s", "higher"}},
-      {"dist_autograd_overhead", {"overhead_per_iter", "us", "lower"}},
-      {"dist_optimizer_step", {"median_step", "us", "lower"}},
-      {"ps_steps_per_s_vs_local", {"steps_per_s_ratio", "ratio", "higher"}},
-  };
-  auto known =
-      std::find_if(kWorkloads.begin(), kWorkloads.end(), [&](const auto& w) {
-        return w.first == s.workload;
-      });
-  if (known == kWorkloads.end()) {
-    usage("unknown workload '" + s.workload + "'");
-  }
-  const Result& result = known->second;
+  Settings s = parseCommandLine(kProgram, argc, argv);
 
   std::string store = "/tmp/torchrpc_bench_" + std::to_string(::getpid());
   std::remove(store.c_str());
@@ -786,14 +710,6 @@ int main(int argc, char** argv) {
     }
   }
   killAll(); // reaps whatever is left
-  std::printf(
-      "{\"workload\": \"%s\", \"metric\": \"%s\", \"unit\": \"%s\", "
-      "\"value\": %.6g, \"better\": \"%s\", \"transport\": \"%s\"}\n",
-      s.workload.c_str(),
-      result.metric.c_str(),
-      result.unit.c_str(),
-      value,
-      result.better.c_str(),
-      s.transport.c_str());
+  printResultLine(s, value, {{"transport", s.transport}});
   return 0;
 }

@@ -1,0 +1,133 @@
+#include "bench/bench_support.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+
+namespace torchrpc {
+namespace bench {
+
+namespace {
+
+// Name -> metric, unit, better of every workload; bench/pytorch_bench.py's
+// WORKLOADS says the same for the PyTorch side.
+const std::vector<std::pair<std::string, Metric>>& workloads() {
+  static const std::vector<std::pair<std::string, Metric>> kWorkloads = {
+      {"call_rtt_1elem", {"median_rtt", "us", "lower"}},
+      {"calls_per_s_64_outstanding", {"throughput", "calls/s", "higher"}},
+      {"bandwidth_4MiB", {"bandwidth", "GB/s", "higher"}},
+      {"bandwidth_64MiB", {"bandwidth", "GB/s", "higher"}},
+      {"idle_cpu_cores", {"idle_cpu", "cores", "lower"}},
+      {"remote_to_here_rtt", {"median_rtt", "us", "lower"}},
+      {"rref_create_delete_per_s", {"rate", "rrefs/s", "higher"}},
+      {"dist_autograd_overhead", {"overhead_per_iter", "us", "lower"}},
+      {"dist_optimizer_step", {"median_step", "us", "lower"}},
+      {"ps_steps_per_s_vs_local", {"steps_per_s_ratio", "ratio", "higher"}},
+  };
+  return kWorkloads;
+}
+
+std::string jsonString(const std::string& text) {
+  std::string out = "\"";
+  for (char c : text) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char escaped[8];
+      std::snprintf(escaped, sizeof(escaped), "\\u%04x", c);
+      out += escaped;
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+} // namespace
+
+[[noreturn]] void usage(const Program& program, const std::string& why) {
+  std::cerr << program.name << ": " << why << "\nusage: " << program.name
+            << " --workload NAME " << program.options << "\n";
+  std::exit(2);
+}
+
+Settings parseCommandLine(const Program& program, int argc, char** argv) {
+  Settings s;
+  s.transport = program.defaultTransport;
+  bool takesTransport = !program.defaultTransport.empty();
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--workload" && i + 1 < argc) {
+      s.workload = argv[++i];
+    } else if (takesTransport && arg == "--transport" && i + 1 < argc) {
+      s.transport = argv[++i];
+    } else if (arg == "--quick") {
+      s.quick = true;
+    } else {
+      usage(program, "unknown argument '" + arg + "'");
+    }
+  }
+  if (s.workload.empty()) {
+    usage(program, "--workload is required");
+  }
+  auto known =
+      std::find_if(workloads().begin(), workloads().end(), [&s](const auto& w) {
+        return w.first == s.workload;
+      });
+  if (known == workloads().end()) {
+    usage(program, "unknown workload '" + s.workload + "'");
+  }
+  s.metric = known->second;
+  return s;
+}
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  size_t n = values.size();
+  return n % 2 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
+}
+
+double microsSince(Clock::time_point start) {
+  return std::chrono::duration<double, std::micro>(Clock::now() - start)
+      .count();
+}
+
+void printDistribution(const std::string& what, std::vector<double> times) {
+  std::sort(times.begin(), times.end());
+  auto percentile = [&times](double q) {
+    return times[std::min(times.size() - 1, size_t(q * times.size()))];
+  };
+  std::cerr << what << ": n=" << times.size() << " min=" << times.front()
+            << " p10=" << percentile(0.1) << " median=" << median(times)
+            << " p90=" << percentile(0.9) << " p99=" << percentile(0.99)
+            << " max=" << times.back() << " (us)\n";
+}
+
+void printResultLine(
+    const Settings& s,
+    std::optional<double> value,
+    const std::vector<std::pair<std::string, std::string>>& extra,
+    const std::string& error) {
+  char number[32] = "null";
+  if (value) {
+    std::snprintf(number, sizeof(number), "%.6g", *value);
+  }
+  std::string line = "{\"workload\": " + jsonString(s.workload) +
+      ", \"metric\": " + jsonString(s.metric.name) +
+      ", \"unit\": " + jsonString(s.metric.unit) + ", \"value\": " + number +
+      ", \"better\": " + jsonString(s.metric.better);
+  for (const auto& [key, text] : extra) {
+    line += ", " + jsonString(key) + ": " + jsonString(text);
+  }
+  if (!error.empty()) {
+    line += ", \"error\": " + jsonString(error);
+  }
+  line += "}\n";
+  std::fputs(line.c_str(), stdout);
+  std::fflush(stdout);
+}
+
+} // namespace bench
+} // namespace torchrpc
