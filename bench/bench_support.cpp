@@ -1,9 +1,18 @@
 #include "bench/bench_support.h"
 
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
 #include <iostream>
+#include <iterator>
+#include <sstream>
 
 namespace torchrpc {
 namespace bench {
@@ -127,6 +136,119 @@ void printResultLine(
   line += "}\n";
   std::fputs(line.c_str(), stdout);
   std::fflush(stdout);
+}
+
+int resultTimeoutMs(const Settings& s) {
+  return s.quick ? 90000 : 240000;
+}
+
+double cpuSeconds(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  // The name, in parentheses, may hold spaces and parentheses itself.
+  auto close = text.rfind(')');
+  std::istringstream fields(text.substr(close + 2));
+  std::string field;
+  double ticks = 0;
+  // Fields after the name start at 3 (state); utime and stime are 14, 15.
+  for (int index = 3; index <= 15 && fields >> field; ++index) {
+    if (index == 14 || index == 15) {
+      ticks += std::stod(field);
+    }
+  }
+  return ticks / sysconf(_SC_CLK_TCK);
+}
+
+IdleCpu measureIdleCpu(const std::vector<pid_t>& pids, bool quick) {
+  auto used = [&pids]() {
+    double total = 0;
+    for (pid_t pid : pids) {
+      total += cpuSeconds(pid);
+    }
+    return total;
+  };
+  double seconds = quick ? 2.0 : 5.0;
+  double before = used();
+  auto start = Clock::now();
+  ::usleep(static_cast<useconds_t>(seconds * 1e6));
+  double cpu = used() - before;
+  return {
+      cpu,
+      cpu / std::chrono::duration<double>(Clock::now() - start).count()};
+}
+
+void writeAll(int fd, const void* data, size_t size) {
+  auto* bytes = static_cast<const char*>(data);
+  while (size > 0) {
+    ssize_t n = ::write(fd, bytes, size);
+    if (n <= 0) {
+      return;
+    }
+    bytes += n;
+    size -= static_cast<size_t>(n);
+  }
+}
+
+std::string readWithin(int fd, size_t capacity, int timeoutMs) {
+  pollfd pfd{fd, POLLIN, 0};
+  if (::poll(&pfd, 1, timeoutMs) != 1) {
+    return {};
+  }
+  std::string buffer(capacity, '\0');
+  ssize_t n = ::read(fd, buffer.data(), capacity);
+  buffer.resize(n > 0 ? static_cast<size_t>(n) : 0);
+  return buffer;
+}
+
+bool readExactlyWithin(int fd, void* data, size_t size, int timeoutMs) {
+  std::string bytes = readWithin(fd, size, timeoutMs);
+  if (bytes.size() != size) {
+    return false;
+  }
+  std::memcpy(data, bytes.data(), size);
+  return true;
+}
+
+WorkerProcesses::~WorkerProcesses() {
+  for (pid_t pid : pids_) {
+    if (pid > 0) { // not reaped yet, so the pid is still ours
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+  }
+}
+
+pid_t WorkerProcesses::fork(const std::function<int()>& body) {
+  std::fflush(nullptr);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    int code = 1;
+    try {
+      code = body();
+    } catch (...) {
+      // Never unwind into the parent's code in a child.
+    }
+    std::fflush(nullptr);
+    ::_exit(code);
+  }
+  if (pid > 0) {
+    pids_.push_back(pid); // never -1: kill(-1) would hit every process
+  }
+  return pid;
+}
+
+void WorkerProcesses::awaitExit(int timeoutMs) {
+  auto end = Clock::now() + std::chrono::milliseconds(timeoutMs);
+  for (pid_t& pid : pids_) {
+    while (pid > 0 && Clock::now() < end) {
+      if (::waitpid(pid, nullptr, WNOHANG) != 0) {
+        // Reaped (or gone): the number may now belong to another process.
+        pid = 0;
+      } else {
+        ::usleep(10000);
+      }
+    }
+  }
 }
 
 } // namespace bench

@@ -2,13 +2,18 @@
 
 // What torchrpc_bench and grpc_bench share, so that the two sides of
 // bench/compare cannot drift apart: the command line, the table of workloads
-// (name -> metric, unit, better), the JSON result line and the timing
-// helpers. Each benchmark keeps its workloads' measurement code. Standard
-// library only: no libtorch, no gRPC, so that either side can use it before
-// any of their objects exist (gRPC's must not exist before a fork).
+// (name -> metric, unit, better), the JSON result line, the timing helpers,
+// idle_cpu_cores' reading of /proc, and the parent/child scaffolding (pipes
+// and worker processes killed and reaped by pid). Each benchmark keeps its
+// workloads' measurement code. Standard library and POSIX only: no libtorch,
+// no gRPC, so that either side can use it before any of their objects exist
+// (gRPC's must not exist before a fork).
+
+#include <sys/types.h>
 
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <optional>
 #include <string>
 #include <utility>
@@ -68,6 +73,62 @@ void printResultLine(
     std::optional<double> value,
     const std::vector<std::pair<std::string, std::string>>& extra,
     const std::string& error = "");
+
+// How long the parent waits for a worker's result: 90 s with --quick,
+// 240 s otherwise.
+int resultTimeoutMs(const Settings& s);
+
+// ---- idle_cpu_cores ---------------------------------------------------------
+
+// CPU seconds (user + sys, all threads) a process has used.
+double cpuSeconds(pid_t pid);
+
+struct IdleCpu {
+  double cpuSeconds; // what the processes used together during the window
+  double cores; // cpuSeconds over the window's wall-clock seconds
+};
+
+// Sleeps 5 s (2 s with --quick) and returns the CPU the processes used
+// meanwhile: the caller has made them idle.
+IdleCpu measureIdleCpu(const std::vector<pid_t>& pids, bool quick);
+
+// ---- pipes between the parent and its workers -------------------------------
+
+// Writes all of data unless the descriptor fails (a dead reader: SIGPIPE
+// kills the writer unless it ignores it).
+void writeAll(int fd, const void* data, size_t size);
+
+// One read of at most `capacity` bytes once the descriptor is readable, or
+// nothing after timeoutMs. Returns the bytes read; empty on timeout, end of
+// file or error. A worker that blocks here uses no CPU.
+std::string readWithin(int fd, size_t capacity, int timeoutMs);
+
+// readWithin that succeeds only with exactly `size` bytes, copied to data. A
+// pipe delivers a write of up to PIPE_BUF bytes whole.
+bool readExactlyWithin(int fd, void* data, size_t size, int timeoutMs);
+
+// ---- worker processes -------------------------------------------------------
+
+// The workers of a run, forked from the parent; whichever are still running
+// when this is destroyed are killed and reaped by pid, however the run ends.
+class WorkerProcesses {
+ public:
+  WorkerProcesses() = default;
+  WorkerProcesses(const WorkerProcesses&) = delete;
+  WorkerProcesses& operator=(const WorkerProcesses&) = delete;
+  ~WorkerProcesses();
+
+  // Runs body in a child, whose exit status is what body returns (1 if it
+  // throws). Returns the child's pid, or -1 (errno set) if fork failed.
+  pid_t fork(const std::function<int()>& body);
+
+  // Gives the workers up to timeoutMs in all to exit on their own; reaps
+  // those that did.
+  void awaitExit(int timeoutMs);
+
+ private:
+  std::vector<pid_t> pids_;
+};
 
 } // namespace bench
 } // namespace torchrpc

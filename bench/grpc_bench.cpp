@@ -14,22 +14,16 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/version_info.h>
 
-#include <poll.h>
 #include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
-#include <cstdio>
 #include <cstring>
 #include <deque>
-#include <fstream>
 #include <iostream>
-#include <iterator>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -135,31 +129,6 @@ class BenchService final : public Bench::CallbackService {
         "tensor bytes do not match its sizes");
   }
 };
-
-void writeAll(int fd, const void* data, size_t size) {
-  auto* bytes = static_cast<const char*>(data);
-  while (size > 0) {
-    ssize_t n = ::write(fd, bytes, size);
-    if (n <= 0) {
-      return;
-    }
-    bytes += n;
-    size -= static_cast<size_t>(n);
-  }
-}
-
-// One read of at most `capacity` bytes once the descriptor is readable.
-// Returns the bytes read; empty on timeout, end of file or error.
-std::string readWithin(int fd, size_t capacity, int timeoutMs) {
-  pollfd pfd{fd, POLLIN, 0};
-  if (::poll(&pfd, 1, timeoutMs) != 1) {
-    return {};
-  }
-  std::string buffer(capacity, '\0');
-  ssize_t n = ::read(fd, buffer.data(), capacity);
-  buffer.resize(n > 0 ? static_cast<size_t>(n) : 0);
-  return buffer;
-}
 
 // Serves until the parent writes to (or closes) stopFd, or until
 // lifetimeMs have passed. Reports its port on portFd, as an int.
@@ -427,82 +396,10 @@ int runClient(const Settings& s, int port, int resultFd, int goFd) {
 
 // ---- the parent -------------------------------------------------------------
 
-// CPU seconds (user + sys, all threads) a process has used.
-double cpuSeconds(pid_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string text((std::istreambuf_iterator<char>(in)), {});
-  auto close = text.rfind(')');
-  std::istringstream fields(text.substr(close + 2));
-  std::string field;
-  double ticks = 0;
-  // Fields after the name start at 3 (state); utime and stime are 14, 15.
-  for (int index = 3; index <= 15 && fields >> field; ++index) {
-    if (index == 14 || index == 15) {
-      ticks += std::stod(field);
-    }
-  }
-  return ticks / sysconf(_SC_CLK_TCK);
-}
-
-// The two processes of a run, killed and reaped by pid however it ends.
-class Workers {
- public:
-  Workers() = default;
-  Workers(const Workers&) = delete;
-  Workers& operator=(const Workers&) = delete;
-  ~Workers() {
-    for (pid_t pid : pids_) {
-      if (pid > 0) { // not reaped yet, so the pid is still ours
-        ::kill(pid, SIGKILL);
-        ::waitpid(pid, nullptr, 0);
-      }
-    }
-  }
-
-  // Runs `body` in a child, whose exit status is its result.
-  template <typename Body>
-  pid_t fork(Body body) {
-    std::fflush(nullptr);
-    pid_t pid = ::fork();
-    if (pid == 0) {
-      int code = 1;
-      try {
-        code = body();
-      } catch (...) {
-        // Never unwind into the parent's code in a child.
-      }
-      std::fflush(nullptr);
-      ::_exit(code);
-    }
-    if (pid > 0) {
-      pids_.push_back(pid); // never -1: kill(-1) would hit every process
-    }
-    return pid;
-  }
-
-  // Gives the workers up to `timeoutMs` to exit on their own.
-  void awaitExit(int timeoutMs) {
-    auto end = Clock::now() + std::chrono::milliseconds(timeoutMs);
-    for (pid_t& pid : pids_) {
-      while (pid > 0 && Clock::now() < end) {
-        if (::waitpid(pid, nullptr, WNOHANG) != 0) {
-          // Reaped (or gone): the number may now belong to another process.
-          pid = 0;
-        } else {
-          ::usleep(10000);
-        }
-      }
-    }
-  }
-
- private:
-  std::vector<pid_t> pids_;
-};
-
 // Starts worker1 (the server), then worker0 (the client) and returns the
 // value, or throws with the reason the run failed.
 double runWorkload(const Settings& s) {
-  int limitMs = s.quick ? 90000 : 240000;
+  int limitMs = resultTimeoutMs(s);
   int portPipe[2];
   int stopPipe[2];
   int resultPipe[2];
@@ -518,7 +415,7 @@ double runWorkload(const Settings& s) {
       ::close(fd);
     }
   };
-  Workers workers;
+  WorkerProcesses workers;
   pid_t server = workers.fork([&]() {
     closeAll({portPipe[0], stopPipe[1], resultPipe[0], resultPipe[1]});
     closeAll({goPipe[0], goPipe[1]});
@@ -534,12 +431,10 @@ double runWorkload(const Settings& s) {
   if (server < 0) {
     throw std::runtime_error(std::string("fork: ") + std::strerror(errno));
   }
-  std::string portBytes = readWithin(portPipe[0], sizeof(int), 60000);
-  if (portBytes.size() != sizeof(int)) {
+  int port = 0;
+  if (!readExactlyWithin(portPipe[0], &port, sizeof(port), 60000)) {
     throw std::runtime_error("worker1 (the server) did not start");
   }
-  int port = 0;
-  std::memcpy(&port, portBytes.data(), sizeof(port));
 
   pid_t client = workers.fork([&]() {
     closeAll({portPipe[0], stopPipe[1], resultPipe[0], goPipe[1]});
@@ -558,13 +453,10 @@ double runWorkload(const Settings& s) {
   } else if (message[0] == kError) {
     throw std::runtime_error(message.substr(1));
   } else if (message[0] == kReady) {
-    double seconds = s.quick ? 2.0 : 5.0;
-    double before = cpuSeconds(client) + cpuSeconds(server);
-    auto start = Clock::now();
-    ::usleep(static_cast<useconds_t>(seconds * 1e6));
-    double used = cpuSeconds(client) + cpuSeconds(server) - before;
-    value = used / std::chrono::duration<double>(Clock::now() - start).count();
-    std::cerr << "idle: worker0 and worker1 used " << used << " CPU s\n";
+    IdleCpu idle = measureIdleCpu({client, server}, s.quick);
+    value = idle.cores;
+    std::cerr << "idle: worker0 and worker1 used " << idle.cpuSeconds
+              << " CPU s\n";
     char go = 1;
     writeAll(goPipe[1], &go, 1);
   } else if (message[0] == kValue && message.size() == 1 + sizeof(value)) {

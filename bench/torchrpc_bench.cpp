@@ -11,9 +11,6 @@
 #include <ATen/ATen.h>
 #include <torch/torch.h>
 
-#include <poll.h>
-#include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -21,13 +18,11 @@
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
-#include <fstream>
 #include <functional>
 #include <iostream>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -539,43 +534,6 @@ double psStepsVsLocal(Runtime& rt, PsState& state, bool quick) {
   return aggregate / localRate;
 }
 
-// CPU seconds (user + sys, all threads) a process has used.
-double cpuSeconds(pid_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string text((std::istreambuf_iterator<char>(in)), {});
-  auto close = text.rfind(')');
-  std::istringstream fields(text.substr(close + 2));
-  std::string field;
-  double ticks = 0;
-  // Fields after the name start at 3 (state); utime and stime are 14, 15.
-  for (int index = 3; index <= 15 && fields >> field; ++index) {
-    if (index == 14 || index == 15) {
-      ticks += std::stod(field);
-    }
-  }
-  return ticks / sysconf(_SC_CLK_TCK);
-}
-
-void writeAll(int fd, const void* data, size_t size) {
-  auto* bytes = static_cast<const char*>(data);
-  while (size > 0) {
-    ssize_t n = ::write(fd, bytes, size);
-    if (n <= 0) {
-      return;
-    }
-    bytes += n;
-    size -= static_cast<size_t>(n);
-  }
-}
-
-bool readWithin(int fd, void* data, size_t size, int timeoutMs) {
-  pollfd pfd{fd, POLLIN, 0};
-  if (::poll(&pfd, 1, timeoutMs) != 1) {
-    return false;
-  }
-  return ::read(fd, data, size) == static_cast<ssize_t>(size);
-}
-
 int runWorker(
     int rank,
     const Settings& s,
@@ -610,8 +568,7 @@ int runWorker(
     }
     char ready = 1;
     writeAll(resultFd, &ready, 1);
-    char go = 0;
-    readWithin(goFd, &go, 1, 120000); // blocks without using CPU
+    readWithin(goFd, 1, 120000); // blocks without using CPU
   } else if (rank == 0) {
     double value = 0;
     if (s.workload == "call_rtt_1elem") {
@@ -651,65 +608,45 @@ int main(int argc, char** argv) {
     std::perror("pipe");
     return 1;
   }
-  std::fflush(nullptr);
-  std::vector<pid_t> pids(worldSize(s.workload));
-  for (int rank = 0; rank < static_cast<int>(pids.size()); ++rank) {
-    pids[rank] = ::fork();
-    if (pids[rank] == 0) {
-      int code = 1;
-      try {
-        code = runWorker(rank, s, store, results[1], go[0]);
-      } catch (const std::exception& e) {
-        std::cerr << "worker" << rank << ": " << e.what() << "\n";
-      }
-      std::fflush(nullptr);
-      ::_exit(code);
-    }
-  }
-  auto killAll = [&]() {
-    for (pid_t pid : pids) {
-      if (pid <= 0) {
-        continue; // a failed fork: kill(-1) or kill(0) would hit others
-      }
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, nullptr, 0);
-    }
-    std::remove(store.c_str());
-  };
-
   double value = 0;
   bool ok = true;
-  int limitMs = s.quick ? 90000 : 240000;
-  if (s.workload == "idle_cpu_cores") {
-    char ready[2];
-    ok = readWithin(results[0], &ready[0], 1, limitMs) &&
-        readWithin(results[0], &ready[1], 1, limitMs);
-    if (ok) {
-      double seconds = s.quick ? 2.0 : 5.0;
-      double before = cpuSeconds(pids[0]) + cpuSeconds(pids[1]);
-      auto start = Clock::now();
-      ::usleep(static_cast<useconds_t>(seconds * 1e6));
-      double used = cpuSeconds(pids[0]) + cpuSeconds(pids[1]) - before;
-      value =
-          used / std::chrono::duration<double>(Clock::now() - start).count();
+  {
+    WorkerProcesses workers;
+    std::vector<pid_t> pids;
+    for (int rank = 0; rank < worldSize(s.workload); ++rank) {
+      pids.push_back(workers.fork([&s, &store, &results, &go, rank]() {
+        try {
+          return runWorker(rank, s, store, results[1], go[0]);
+        } catch (const std::exception& e) {
+          std::cerr << "worker" << rank << ": " << e.what() << "\n";
+          return 1;
+        }
+      }));
     }
-    char release[2] = {1, 1};
-    writeAll(go[1], release, 2);
-  } else {
-    ok = readWithin(results[0], &value, sizeof(value), limitMs);
-  }
+    int limitMs = resultTimeoutMs(s);
+    if (s.workload == "idle_cpu_cores") {
+      char ready[2];
+      ok = readExactlyWithin(results[0], &ready[0], 1, limitMs) &&
+          readExactlyWithin(results[0], &ready[1], 1, limitMs);
+      if (ok) {
+        value = measureIdleCpu({pids[0], pids[1]}, s.quick).cores;
+      }
+      char release[2] = {1, 1};
+      writeAll(go[1], release, 2);
+    } else {
+      ok = readExactlyWithin(results[0], &value, sizeof(value), limitMs);
+    }
+    if (!ok) {
+      std::cerr << "torchrpc_bench: workers did not deliver a result\n";
+    } else {
+      // As long as their shutdownTimeout allows a graceful shutdown.
+      workers.awaitExit(60000);
+    }
+  } // kills and reaps whatever is left
+  std::remove(store.c_str());
   if (!ok) {
-    std::cerr << "torchrpc_bench: workers did not deliver a result\n";
-    killAll();
     return 1;
   }
-  for (pid_t pid : pids) {
-    int status = 0;
-    for (int i = 0; i < 6000 && ::waitpid(pid, &status, WNOHANG) == 0; ++i) {
-      ::usleep(10000);
-    }
-  }
-  killAll(); // reaps whatever is left
   printResultLine(s, value, {{"transport", s.transport}});
   return 0;
 }
