@@ -1,8 +1,8 @@
 // The torchrpc side of bench/compare: runs one workload with two worker
 // processes (three for dist_optimizer_step and ps_steps_per_s_vs_local) on
-// loopback and prints one JSON
-// line,
-//   {"workload": W, "metric": M, "unit": U, "value": x, "better": B}
+// loopback and prints one JSON line,
+//   {"workload": W, "metric": M, "unit": U, "value": x, "better": B,
+//    "transport": T}
 // Each workload mirrors bench/pytorch_bench.py exactly (see bench/README.md).
 //
 //   torchrpc_bench --workload NAME [--transport tcp|tensorpipe|tensorpipe-shm]
@@ -221,9 +221,6 @@ double rrefsPerSecond(Runtime& rt, bool quick) {
             << polls << " polls at end)\n";
   return total / seconds;
 }
-
-// ---- processes
-// ---------------------------------------------------------------
 
 // ---- dist_autograd_overhead -------------------------------------------------
 
@@ -599,6 +596,12 @@ int runWorker(
 
 int main(int argc, char** argv) {
   Settings s = parseCommandLine(kProgram, argc, argv);
+  // Checked here, not only in the workers: a worker's usage error would
+  // leave this process waiting out the whole result timeout.
+  if (s.transport != "tcp" && s.transport != "tensorpipe" &&
+      s.transport != "tensorpipe-shm") {
+    usage(kProgram, "unknown transport '" + s.transport + "'");
+  }
 
   std::string store = "/tmp/torchrpc_bench_" + std::to_string(::getpid());
   std::remove(store.c_str());
