@@ -71,13 +71,11 @@ expect_workers_gone() {
   done
 }
 
-# forward_signal NAME EXIT_CODE: the launcher, with two workers waiting,
-# gets SIGNAME; each worker must get it and the launcher exit once they did.
-forward_signal() {
-  local name="$1"
-  local start=${SECONDS}
-  timeout -k 5 30 "${launcher}" --nproc-per-node 2 -- "${worker}" \
-    wait-for-signal >"${out}" 2>"${err}" &
+# start_group MODE: the launcher in the background with two workers running
+# MODE, once both printed "ready"; sets launcher_pid and real_launcher.
+start_group() {
+  env -u TORCHRPC_HANG_REPORT_SIGNAL timeout -k 5 30 "${launcher}" \
+    --nproc-per-node 2 -- "${worker}" "$1" >"${out}" 2>"${err}" &
   launcher_pid=$!
   for _ in $(seq 100); do
     [[ $(grep -c 'ready' "${out}") -eq 2 ]] && break
@@ -85,9 +83,16 @@ forward_signal() {
   done
   [[ $(grep -c 'ready' "${out}") -eq 2 ]] || fail "workers never got ready"
   # timeout(1) runs the launcher as its child; signal the launcher itself.
-  local real_launcher
   real_launcher=$(ps -o pid= --ppid "${launcher_pid}" | head -1 | tr -d ' ')
   [[ -n "${real_launcher}" ]] || fail "no launcher process under timeout"
+}
+
+# forward_signal NAME EXIT_CODE: the launcher, with two workers waiting,
+# gets SIGNAME; each worker must get it and the launcher exit once they did.
+forward_signal() {
+  local name="$1"
+  local start=${SECONDS}
+  start_group wait-for-signal
   kill -"${name}" "${real_launcher}"
   wait "${launcher_pid}"
   rc=$?
@@ -235,18 +240,9 @@ case "${case_name}" in
     forward_signal TERM 143
     ;;
   PassesSigusr1ToTheLowestRankForAHangReport)
-    env -u TORCHRPC_HANG_REPORT_SIGNAL timeout -k 5 30 "${launcher}" \
-      --nproc-per-node 2 -- "${worker}" hang-report >"${out}" 2>"${err}" &
-    launcher_pid=$!
-    for _ in $(seq 100); do
-      [[ $(grep -c 'ready' "${out}") -eq 2 ]] && break
-      sleep 0.1
-    done
-    [[ $(grep -c 'ready' "${out}") -eq 2 ]] || fail "workers never got ready"
+    start_group hang-report
     expect_line "${out}" "[rank 0]: TORCHRPC_HANG_REPORT_SIGNAL=USR1"
     expect_line "${out}" "[rank 1]: TORCHRPC_HANG_REPORT_SIGNAL=USR1"
-    real_launcher=$(ps -o pid= --ppid "${launcher_pid}" | head -1 | tr -d ' ')
-    [[ -n "${real_launcher}" ]] || fail "no launcher process under timeout"
     kill -USR1 "${real_launcher}"
     for _ in $(seq 100); do
       grep -q 'got SIGUSR1' "${out}" && break
