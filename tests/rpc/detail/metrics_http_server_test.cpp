@@ -494,7 +494,11 @@ TEST(
 TEST(MetricsHttpServerHostile, APeerThatNeverReadsIsClosedAtWriteTimeout) {
   // More than the socket buffers on both sides hold.
   const std::string big(16 << 20, 'm');
-  MetricsHttpServer server(testOptions(), [&big]() { return big; });
+  auto options = testOptions();
+  // Time for a reader to take all of it under ThreadSanitizer (300 ms was
+  // not, once); the stuck peer is still closed well within the waits below.
+  options.writeTimeout = 2s;
+  MetricsHttpServer server(options, [&big]() { return big; });
   HttpConnection stuck(server.port(), "127.0.0.1", 5s, 4096);
   ASSERT_TRUE(stuck.sendRaw("GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"));
   EXPECT_TRUE(eventually([&] { return server.requestsRejected() == 1; }, 5s));
