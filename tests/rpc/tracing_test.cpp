@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/eventually.h"
 #include "tests/support/local_cluster.h"
 #include "tests/tools/trace/temp_dir.h"
 #include "tools/trace/trace_merge.h"
@@ -527,6 +528,16 @@ TEST_P(TracingTest, TracingOffWritesNothingAndRecordsNothing) {
     cluster[0].tracer().stop();
     cluster[1].tracer().stop();
     cluster[0].rpcSync<int64_t>("worker1", "add", 3, 3);
+    // A write is recorded when the transport reports it done, which may
+    // come after the peer already has the message (the in-process transport
+    // reports on its own thread): wait for both writes of call 2.
+    auto transportEvents = [](Tracer& tracer) {
+      return eventsOf(json::parse(tracer.json()), "transport").size();
+    };
+    EXPECT_TRUE(testing::eventually([&] {
+      return transportEvents(cluster[0].tracer()) == 2 &&
+          transportEvents(cluster[1].tracer()) == 2;
+    }));
     json caller = json::parse(cluster[0].tracer().json());
     json callee = json::parse(cluster[1].tracer().json());
     EXPECT_EQ(eventsOf(caller, "rpc.client").size(), 1u);
@@ -537,6 +548,13 @@ TEST_P(TracingTest, TracingOffWritesNothingAndRecordsNothing) {
     // caller, the request read and the reply written on the callee.
     auto transport = eventsOf(caller, "transport");
     ASSERT_EQ(transport.size(), 2u) << caller.dump();
+    // Events are listed as recorded; a write is recorded when it is done.
+    std::sort(
+        transport.begin(),
+        transport.end(),
+        [](const json& a, const json& b) {
+          return a.at("ts").get<double>() < b.at("ts").get<double>();
+        });
     EXPECT_EQ(transport[0].at("name"), "write to worker1");
     EXPECT_GT(transport[0].at("args").at("bytes").get<int64_t>(), 0);
     EXPECT_EQ(transport[1].at("name"), "read");
