@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 #include <tuple>
@@ -396,7 +397,6 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
           describeException(e)));
       return future;
     }
-    countSent(peer->id, message);
     const uint64_t bytes = traced ? messageBytes(message) : 0;
 
     auto via = outgoingConnection(*peer);
@@ -415,19 +415,36 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       call.timeout = request.timeout;
     }
     bool armTimer = false;
+    bool closedMeanwhile = via == nullptr;
     {
       std::lock_guard<std::mutex> guard(mutex_);
-      if (call.deadline != Clock::time_point::max()) {
-        deadlines_.emplace(call.deadline, id);
-        if (call.deadline < armedFor_) {
-          armedFor_ = call.deadline;
-          armTimer = true;
+      // close() may have run since the check above; it failed every call
+      // then pending, and would never see this one.
+      closedMeanwhile = closedMeanwhile || closed_;
+      if (!closedMeanwhile) {
+        if (call.deadline != Clock::time_point::max()) {
+          deadlines_.emplace(call.deadline, id);
+          if (call.deadline < armedFor_) {
+            armedFor_ = call.deadline;
+            armTimer = true;
+          }
         }
+        pending_.emplace(id, std::move(call));
+        awaitedReplies_->fetch_add(1, std::memory_order_relaxed);
+        ++requestsSent_;
       }
-      pending_.emplace(id, std::move(call));
-      awaitedReplies_->fetch_add(1, std::memory_order_relaxed);
-      ++requestsSent_;
     }
+    if (closedMeanwhile) {
+      failedBeforeSending(ErrorCode::kShuttingDown);
+      future->setError(makeRpcError(
+          ErrorCode::kShuttingDown,
+          peer->name,
+          call.what,
+          0,
+          "the runtime of '" + self_.name + "' is shutting down"));
+      return future;
+    }
+    countSent(peer->id, message);
     if (armTimer) {
       rearmTimer();
     }
@@ -1495,22 +1512,28 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     return workersReady_ && !closed_;
   }
 
+  // Null once the agent is closed: close() has taken every connection it
+  // had, and one opened after it would be closed by no one (it and the
+  // agent would keep each other alive).
   std::shared_ptr<AgentConnection> outgoingConnection(const WorkerInfo& peer) {
-    {
+    auto existing = [&]() -> std::optional<std::shared_ptr<AgentConnection>> {
       std::lock_guard<std::mutex> guard(mutex_);
+      if (closed_) {
+        return nullptr;
+      }
       auto it = outgoing_.find(peer.id);
       if (it != outgoing_.end()) {
         return it->second;
       }
+      return std::nullopt;
+    };
+    if (auto found = existing()) {
+      return *found;
     }
     // Connect outside mutex_: a transport may run callbacks that take it.
     std::lock_guard<std::mutex> connecting(connectMutex_);
-    {
-      std::lock_guard<std::mutex> guard(mutex_);
-      auto it = outgoing_.find(peer.id);
-      if (it != outgoing_.end()) {
-        return it->second;
-      }
+    if (auto found = existing()) {
+      return *found;
     }
     auto state = std::make_shared<AgentConnection>();
     TORCHRPC_LOG(kDebug) << self_.name << ": connecting to '" << peer.name
@@ -1519,10 +1542,19 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     state->connection = transport_->connect(addresses_.at(peer.id));
     state->outgoing = true;
     state->peer = peer.id;
+    bool closed;
     {
       std::lock_guard<std::mutex> guard(mutex_);
-      outgoing_[peer.id] = state;
-      connections_.insert(state);
+      closed = closed_;
+      if (!closed) {
+        outgoing_[peer.id] = state;
+        connections_.insert(state);
+      }
+    }
+    if (closed) {
+      state->closedByUs = true;
+      state->connection->close();
+      return nullptr;
     }
     startConnection(state);
     return state;

@@ -7,7 +7,9 @@
 #include <atomic>
 #include <chrono>
 #include <thread>
+#include <vector>
 
+#include "tests/support/eventually.h"
 #include "tests/support/local_cluster.h"
 #include "torchrpc/rpc/runtime.h"
 
@@ -455,6 +457,56 @@ TEST_P(RuntimeTest, ImmediateShutdownFailsPendingCalls) {
       [&]() { (*c)[0].rpcSync<int64_t>("worker1", "add", 1, 2); },
       ErrorCode::kShuttingDown,
       {});
+}
+
+// A call sent while the runtime closes either goes out before close() (and
+// close() fails it) or sees the runtime closed; none is left pending where
+// close() no longer looks, which would wait forever (the timers stop too).
+TEST_P(RuntimeTest, CallsRacingAnImmediateShutdownAllEnd) {
+  auto c = cluster(2);
+  constexpr int kThreads = 3;
+  constexpr int kCallsPerThread = 400;
+  std::vector<std::vector<rpc::Future<int64_t>>> futures(kThreads);
+  std::atomic<int> started{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t]() {
+      started.fetch_add(1);
+      for (int i = 0; i < kCallsPerThread; ++i) {
+        futures[t].push_back((*c)[0].rpcAsync<int64_t>("worker1", "add", i, t));
+      }
+    });
+  }
+  while (started.load() < kThreads) {
+    std::this_thread::yield();
+  }
+  std::this_thread::sleep_for(2ms);
+  (*c)[0].shutdown(/*graceful=*/false);
+  for (auto& thread : threads) {
+    thread.join();
+  }
+  int answered = 0;
+  int shutDown = 0;
+  for (int t = 0; t < kThreads; ++t) {
+    for (int i = 0; i < kCallsPerThread; ++i) {
+      const auto& future = futures[t][i];
+      ASSERT_TRUE(testing::eventually([&] { return future.completed(); }, 10s))
+          << "call " << i << " of thread " << t << " never ended";
+      if (!future.hasError()) {
+        EXPECT_EQ(future.wait(), i + t);
+        ++answered;
+        continue;
+      }
+      ++shutDown;
+      expectRpcError(
+          [&]() { future.wait(); },
+          ErrorCode::kShuttingDown,
+          {"add"});
+    }
+  }
+  EXPECT_EQ(answered + shutDown, kThreads * kCallsPerThread);
+  EXPECT_GT(shutDown, 0); // the shutdown came while calls were being made
+  EXPECT_EQ((*c)[0].agent().counters().pendingCalls, 0u);
 }
 
 TEST_P(RuntimeTest, PeerThatShutsDownFailsCallsToItWithoutHanging) {

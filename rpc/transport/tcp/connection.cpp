@@ -241,11 +241,14 @@ bool TcpConnectionImpl::inLoop() const {
 
 template <typename Task>
 void TcpConnectionImpl::runOnStrand(Task task) {
-  if (context_->joined.load()) {
-    task();
-  } else {
-    asio::post(strand_, std::move(task));
+  {
+    std::lock_guard<std::mutex> lock(context_->postMutex);
+    if (!context_->joined.load()) {
+      asio::post(strand_, std::move(task));
+      return;
+    }
   }
+  task();
 }
 
 void TcpConnectionImpl::scheduleReport() {

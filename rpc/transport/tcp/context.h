@@ -37,6 +37,9 @@ struct TcpContext {
   const HostIdentity host;
   // Set once the io threads are gone: work is then done inline.
   std::atomic<bool> joined{false};
+  // Orders posting to the io threads against join() setting `joined`: what
+  // is posted before is run by join()'s last poll, nothing is posted after.
+  std::mutex postMutex;
   IoPolling polling;
   // For TcpTransport::stats(). Tensor bytes always go straight from and
   // into a tensor's storage (writev, process_vm_readv, reads into the

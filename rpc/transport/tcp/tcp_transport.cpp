@@ -186,20 +186,26 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
   std::shared_ptr<Connection> connect(const std::string& address) {
     Strand strand = asio::make_strand(context_->io);
     Socket socket(strand);
-    uint64_t id;
+    std::shared_ptr<TcpConnectionImpl> impl;
     bool closed;
     {
+      // One critical section: a connection made after close() looked at
+      // `live` would be closed by no one, and its pending operations would
+      // keep it and the io_context alive for good.
       std::lock_guard<std::mutex> lock(context_->mutex);
-      id = context_->nextId++;
+      const uint64_t id = context_->nextId++;
       closed = context_->closed;
+      impl = std::make_shared<TcpConnectionImpl>(
+          context_,
+          Role::kClient,
+          id,
+          strand,
+          std::move(socket),
+          address);
+      if (!closed) {
+        context_->live[id] = impl;
+      }
     }
-    auto impl = std::make_shared<TcpConnectionImpl>(
-        context_,
-        Role::kClient,
-        id,
-        strand,
-        std::move(socket),
-        address);
     auto handle = std::make_shared<TcpConnection>(impl);
     ip::tcp::endpoint endpoint;
     const std::string scheme = "tcp://";
@@ -218,10 +224,6 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
           ErrorCode::kWorkerUnavailable,
           "transport " + context_->options.name + " is closed"});
       return handle;
-    }
-    {
-      std::lock_guard<std::mutex> lock(context_->mutex);
-      context_->live[id] = impl;
     }
     asio::post(strand, [impl, endpoint]() { impl->connectFromLoop(endpoint); });
     return handle;
@@ -291,7 +293,10 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
       std::lock_guard<std::mutex> lock(mutex_);
       acceptor_.reset();
     }
-    context_->joined.store(true);
+    {
+      std::lock_guard<std::mutex> lock(context_->postMutex);
+      context_->joined.store(true);
+    }
     // Whatever was posted while the threads were leaving runs here, so that
     // no handler (holding a connection) stays queued.
     context_->io.restart();
