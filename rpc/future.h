@@ -42,6 +42,13 @@ T convertResult(
     return ValueTraits<T>::from(std::move(value));
   }
 }
+
+// Polls `future` between yields for at most `limit`, and stops early when
+// the CPU is wanted by others: see Note [Spinning on a busy machine] in
+// rpc/detail/busy_wait.h.
+void spinUntilCompleted(
+    const c10::ivalue::Future& future,
+    std::chrono::microseconds limit);
 } // namespace detail
 
 // A typed handle on a c10::ivalue::Future, the one future type torchrpc and
@@ -78,9 +85,10 @@ class Future {
   // Blocks until completion; returns the value or throws the error (an
   // RpcError for everything torchrpc raises). Polls briefly before it
   // sleeps: a reply that comes within kWaitSpin then needs no wake-up
-  // (see Note [Adaptive spin] in rpc/detail/spinning_thread_pool.h).
+  // (see Note [Adaptive spin] in rpc/detail/spinning_thread_pool.h), unless
+  // the CPU is contended (Note [Spinning on a busy machine]).
   T wait() const {
-    spinUntilCompleted();
+    detail::spinUntilCompleted(*impl_, kWaitSpin);
     impl_->waitAndThrow();
     return detail::convertResult<T>(impl_->value(), worker_, function_);
   }
@@ -130,16 +138,6 @@ class Future {
  private:
   static constexpr std::chrono::microseconds kWaitSpin{1000};
 
-  void spinUntilCompleted() const {
-    auto until = std::chrono::steady_clock::now() + kWaitSpin;
-    for (int i = 0; !impl_->completed(); ++i) {
-      if ((i & 63) == 0 && std::chrono::steady_clock::now() > until) {
-        return;
-      }
-      std::this_thread::yield(); // lets the transport threads run here
-    }
-  }
-
   template <typename U, typename F, typename... Args>
   static c10::IValue invokeToIValue(F& fn, Args&&... args) {
     if constexpr (std::is_void<U>::value) {
@@ -157,7 +155,7 @@ class Future {
 
 template <>
 inline void Future<void>::wait() const {
-  spinUntilCompleted();
+  detail::spinUntilCompleted(*impl_, kWaitSpin);
   impl_->waitAndThrow();
 }
 

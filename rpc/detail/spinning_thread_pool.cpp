@@ -1,14 +1,8 @@
 #include "torchrpc/rpc/detail/spinning_thread_pool.h"
+#include "torchrpc/rpc/detail/busy_wait.h"
 #include "torchrpc/rpc/log_level.h"
 
 #include <c10/util/Logging.h>
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define TORCHRPC_CPU_RELAX() std::this_thread::yield()
-#else
-#define TORCHRPC_CPU_RELAX() std::this_thread::yield()
-#endif
 
 namespace torchrpc {
 namespace rpc {
@@ -95,7 +89,10 @@ bool SpinningThreadPool::spinForWork() {
     if ((i & 63) == 0 && std::chrono::steady_clock::now() > until) {
       break;
     }
-    TORCHRPC_CPU_RELAX();
+    // Note [Spinning on a busy machine]: give way when others want the CPU.
+    if (!yieldUnlessContended()) {
+      break;
+    }
   }
   spinners_.store(0, std::memory_order_release);
   return found;

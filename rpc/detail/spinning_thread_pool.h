@@ -24,7 +24,8 @@ namespace detail {
 // that has just finished a task polls for the next one for a short while
 // before it blocks, and at most one thread of the pool spins at a time. An
 // idle worker therefore uses no CPU, while a worker in a conversation keeps
-// its CPU awake between messages. `spin` of zero turns it off.
+// its CPU awake between messages. `spin` of zero turns it off. On a busy
+// machine nobody spins: see Note [Spinning on a busy machine].
 
 // The pool that runs the agent's handlers and continuations. Same interface
 // as c10::ThreadPool, plus the adaptive spin, and tasks queued before

@@ -1,11 +1,11 @@
 #include "torchrpc/rpc/transport/tcp/polling.h"
+#include "torchrpc/rpc/detail/busy_wait.h"
 
 #include <c10/util/Exception.h>
 
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/post.hpp>
 
-#include <thread>
 #include <utility>
 
 namespace torchrpc {
@@ -75,8 +75,10 @@ void IoPolling::run() {
     if (io_.poll() > 0) {
       continue;
     }
-    if (keepPolling() && !io_.stopped() && slot.take()) {
-      std::this_thread::yield();
+    // Note [Spinning on a busy machine]: on a contended CPU, sleep in the
+    // kernel, where the next message wakes this thread.
+    if (keepPolling() && !io_.stopped() && slot.take() &&
+        yieldUnlessContended()) {
       continue;
     }
     slot.release();

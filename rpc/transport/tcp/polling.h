@@ -32,7 +32,9 @@ namespace tcp {
 // replies (its callers are blocked anyway). Then it sleeps as before.
 // Heartbeats do not count as traffic, so an idle worker uses no CPU; a
 // busy one spends up to a core on lower latency (one io thread per
-// process polls at a time). bench/RESULTS.md has the measurements.
+// process polls at a time). bench/RESULTS.md has the measurements. When
+// other processes want the CPU, the thread sleeps instead: see Note
+// [Spinning on a busy machine] in rpc/detail/busy_wait.h.
 
 // The polling policy of one transport, and the io threads' loop that
 // follows it. noteTraffic() and noteSend() are called on any thread; run()

@@ -1,0 +1,79 @@
+#include "torchrpc/rpc/detail/busy_wait.h"
+
+#include "torchrpc/rpc/future.h"
+
+#include <atomic>
+#include <cstdint>
+#include <limits>
+#include <thread>
+
+namespace torchrpc {
+namespace rpc {
+namespace detail {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t nowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             Clock::now().time_since_epoch())
+      .count();
+}
+
+constexpr int64_t nanos(std::chrono::nanoseconds d) {
+  return d.count();
+}
+
+// Until when (steady clock, ns) the process does not spin.
+std::atomic<int64_t> backoffUntilNs{0};
+// When the last long yield ended (steady clock, ns).
+std::atomic<int64_t> lastLongYieldNs{std::numeric_limits<int64_t>::min() / 2};
+std::atomic<int64_t> backoffCount{0};
+
+} // namespace
+
+bool cpuContended() {
+  return nowNs() < backoffUntilNs.load(std::memory_order_relaxed);
+}
+
+bool yieldUnlessContended() {
+  const int64_t before = nowNs();
+  if (before < backoffUntilNs.load(std::memory_order_relaxed)) {
+    return false;
+  }
+  std::this_thread::yield();
+  const int64_t after = nowNs();
+  if (after - before < nanos(kContendedYield)) {
+    return true;
+  }
+  const int64_t previous =
+      lastLongYieldNs.exchange(after, std::memory_order_relaxed);
+  if (after - previous > nanos(kContendedWindow)) {
+    return true; // one long yield alone: an interrupt, the hypervisor
+  }
+  backoffUntilNs.store(
+      after + nanos(kContendedBackoff),
+      std::memory_order_relaxed);
+  backoffCount.fetch_add(1, std::memory_order_relaxed);
+  return false;
+}
+
+int64_t contendedBackoffs() {
+  return backoffCount.load(std::memory_order_relaxed);
+}
+
+void spinUntilCompleted(
+    const c10::ivalue::Future& future,
+    std::chrono::microseconds limit) {
+  const auto until = Clock::now() + limit;
+  while (!future.completed() && Clock::now() < until) {
+    if (!yieldUnlessContended()) {
+      return;
+    }
+  }
+}
+
+} // namespace detail
+} // namespace rpc
+} // namespace torchrpc
