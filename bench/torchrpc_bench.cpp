@@ -538,8 +538,18 @@ int runWorker(
     int resultFd,
     int goFd) {
   Runtime rt("worker" + std::to_string(rank), workerOptions(rank, s, store));
-  rt.functions().add("add_one", [](at::Tensor x) { return x + 1; });
-  rt.functions().add("sink", [](at::Tensor) { return at::zeros({1}); });
+  // Both never block and take microseconds: registered cheap, they run
+  // where the call arrives (FunctionOptions), as a user would register them.
+  torchrpc::rpc::FunctionOptions cheap;
+  cheap.cheap = true;
+  rt.functions().add(
+      "add_one",
+      [](at::Tensor x) { return x + 1; },
+      cheap);
+  rt.functions().add(
+      "sink",
+      [](at::Tensor) { return at::zeros({1}); },
+      cheap);
   // rref_create_delete_per_s: RRefs worker1 owns (and forks still use).
   rt.functions().add("owner_rref_count", [&rt]() {
     return static_cast<int64_t>(rt.rrefs().counters().ownerRRefs);

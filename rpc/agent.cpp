@@ -70,13 +70,17 @@ bool hasPassed(Clock::time_point deadline) {
 constexpr size_t kMaxServedLabels = 1024;
 constexpr size_t kMaxCallLabels = 4096;
 
-// Header and tensor bytes of a message, as metrics count them.
-uint64_t messageBytes(const Message& message) {
-  uint64_t bytes = message.header.size();
-  for (const auto& tensor : message.tensors) {
+uint64_t tensorBytes(const std::vector<at::Tensor>& tensors) {
+  uint64_t bytes = 0;
+  for (const auto& tensor : tensors) {
     bytes += tensor.nbytes();
   }
   return bytes;
+}
+
+// Header and tensor bytes of a message, as metrics count them.
+uint64_t messageBytes(const Message& message) {
+  return message.header.size() + tensorBytes(message.tensors);
 }
 
 // The call id of the trace contract (tools/trace/README.md).
@@ -149,7 +153,13 @@ struct ServedRequest {
 // Cancel messages are handled on the transport thread too (Note [Cancelled
 // requests]), and so are requests of kinds registered with
 // Dispatch::kInline (hang reports), which must be answered even while every
-// pool thread is blocked.
+// pool thread is blocked. A kind's RunsInline predicate picks more requests
+// to run there: calls of functions registered cheap (FunctionOptions) and
+// of builtin operators on small tensors. Each saves a hand-off to the pool
+// (a thread wake-up, or on a machine with few cores one more thread
+// competing for them) at the price of the connection's next messages
+// waiting for the handler; a request that arrives before the agent knows
+// the job's workers goes to the pool all the same.
 
 // Note [Agent heartbeats]
 // ~~~~~~~~~~~~~~~~~~~~~~~
@@ -227,7 +237,8 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       RequestHandler h,
       RequestLabel label,
       Cancellation cancellation,
-      Dispatch dispatch) {
+      Dispatch dispatch,
+      RunsInline runsInline) {
     TORCH_CHECK(!listening_, "handlers must be registered before start()");
     TORCH_CHECK(h, "handler for message kind ", kind, " is empty");
     TORCH_CHECK(
@@ -243,7 +254,8 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
                                 std::move(h),
                                 label,
                                 cancellation,
-                                dispatch})
+                                dispatch,
+                                std::move(runsInline)})
                         .second;
     TORCH_CHECK(inserted, "message kind ", kind, " is already registered");
   }
@@ -614,7 +626,11 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     if (!envelope->is_response() && workersReady_) {
       auto handler = handlers_.find(envelope->kind());
       if (handler != handlers_.end() &&
-          handler->second.dispatch == Dispatch::kInline) {
+          (handler->second.dispatch == Dispatch::kInline ||
+           (handler->second.runsInline &&
+            handler->second.runsInline(
+                envelope->body(),
+                tensorBytes(message.tensors))))) {
         onRequest(
             conn,
             *envelope,
@@ -1191,6 +1207,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     RequestLabel label;
     Cancellation cancellation;
     Dispatch dispatch;
+    RunsInline runsInline;
   };
   using HandlerMap = std::unordered_map<uint32_t, HandlerEntry>;
 
@@ -1864,14 +1881,16 @@ void Agent::registerHandler(
     RequestHandler handler,
     RequestLabel label,
     Cancellation cancellation,
-    Dispatch dispatch) {
+    Dispatch dispatch,
+    RunsInline runsInline) {
   impl_->registerHandler(
       kind,
       std::move(name),
       std::move(handler),
       label,
       cancellation,
-      dispatch);
+      dispatch,
+      std::move(runsInline));
 }
 
 void Agent::addHook(MessageHook hook) {

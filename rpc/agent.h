@@ -74,14 +74,16 @@ class Agent {
   // kind (or kCancelMessageKind, which the agent handles), hook name or
   // extension kind. `label` says how errors name a request of this kind;
   // `cancellation` what happens to one whose caller gave up on it;
-  // `dispatch` which thread runs the handler.
+  // `dispatch` which thread runs the handler, and `runsInline` which
+  // requests of a pool-dispatched kind run inline anyway.
   void registerHandler(
       uint32_t kind,
       std::string name,
       RequestHandler handler,
       RequestLabel label = RequestLabel::kHandlerName,
       Cancellation cancellation = Cancellation::kRunAnyway,
-      Dispatch dispatch = Dispatch::kPool);
+      Dispatch dispatch = Dispatch::kPool,
+      RunsInline runsInline = nullptr);
   void addHook(MessageHook hook);
   void addValueExtension(ValueExtension extension);
 

@@ -19,10 +19,23 @@
 namespace torchrpc {
 namespace rpc {
 
+// How a registered function is served.
+struct FunctionOptions {
+  // Runs where the call arrives, on the transport's thread, instead of being
+  // queued to the runtime's thread pool: one hand-off less per call (see
+  // Note [Where messages are handled] in rpc/agent.cpp). Only for functions
+  // that never block (no waiting on other calls, on locks held for long, on
+  // I/O) and finish in microseconds: the connection's other messages wait
+  // meanwhile. A cheap function may still return a Future and complete it
+  // later.
+  bool cheap = false;
+};
+
 // A function as the runtime stores it: its name, a signature for messages,
 // and a boxed entry point.
 struct RegisteredFunction {
   std::string name;
+  FunctionOptions options;
   // e.g. "scale(Tensor, float) -> Tensor"
   std::string signature;
   // Checks the arguments against the signature and runs the function.
@@ -184,8 +197,11 @@ class FunctionRegistry {
   // released at once and the reply goes out when it completes.
   // Throws c10::Error if the name is empty or already registered.
   template <typename F>
-  void add(const std::string& name, F&& fn) {
-    addBoxed(detail::makeRegisteredFunction(name, std::forward<F>(fn)));
+  void add(const std::string& name, F&& fn, FunctionOptions options = {}) {
+    RegisteredFunction function =
+        detail::makeRegisteredFunction(name, std::forward<F>(fn));
+    function.options = options;
+    addBoxed(std::move(function));
   }
 
   void addBoxed(RegisteredFunction function);

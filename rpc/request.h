@@ -92,6 +92,14 @@ enum class Dispatch {
   kInline,
 };
 
+// For a kind dispatched to the pool: which of its requests run inline
+// anyway, as with Dispatch::kInline, chosen by the request's body and the
+// bytes of its tensors (the call handler: functions registered cheap, and
+// builtin operators on small tensors). Called on the transport's thread for
+// every request of the kind: it must be fast and thread-safe.
+using RunsInline =
+    std::function<bool(const std::string& body, uint64_t tensorBytes)>;
+
 // A request to send.
 struct OutgoingRequest {
   uint32_t kind = kCallMessageKind;

@@ -240,7 +240,9 @@ void Runtime::registerCallHandler() {
       RequestLabel::kBody,
       // A call exists for its answer: once its caller gave up, running it
       // only keeps a thread from calls someone waits for.
-      Cancellation::kDropIfQueued);
+      Cancellation::kDropIfQueued,
+      Dispatch::kPool,
+      detail::makeCallRunsInline(functions_, options_.allowBuiltinOperators));
 }
 
 void Runtime::registerHangReportHandler() {

@@ -268,6 +268,7 @@ class Runtime {
 // The names most programs use, at the top level. torchrpc::Runtime, the
 // worker with every layer, is in torchrpc.h.
 using rpc::ErrorCode;
+using rpc::FunctionOptions;
 using rpc::Future;
 using rpc::Options;
 using rpc::RpcError;

@@ -87,6 +87,20 @@ RequestHandler makeCallHandler(
   };
 }
 
+RunsInline makeCallRunsInline(
+    const FunctionRegistry& functions,
+    bool allowBuiltinOperators) {
+  return
+      [&functions,
+       allowBuiltinOperators](const std::string& name, uint64_t tensorBytes) {
+        if (auto function = functions.find(name)) {
+          return function->options.cheap;
+        }
+        return allowBuiltinOperators && tensorBytes <= kInlineOperatorBytes &&
+            isOperatorName(name);
+      };
+}
+
 } // namespace detail
 } // namespace rpc
 } // namespace torchrpc

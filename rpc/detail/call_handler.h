@@ -26,6 +26,18 @@ RequestHandler makeCallHandler(
     std::string selfName,
     bool allowBuiltinOperators);
 
+// Builtin operators run inline on at most this many bytes of tensors: their
+// cost grows with their inputs, and an operator on big tensors would hold
+// up the connection's other messages.
+constexpr uint64_t kInlineOperatorBytes = 64 << 10;
+
+// Which calls run where they arrive (Note [Where messages are handled] in
+// rpc/agent.cpp): functions registered cheap, and builtin operators (when
+// allowed) on at most kInlineOperatorBytes of tensors.
+RunsInline makeCallRunsInline(
+    const FunctionRegistry& functions,
+    bool allowBuiltinOperators);
+
 } // namespace detail
 } // namespace rpc
 } // namespace torchrpc
