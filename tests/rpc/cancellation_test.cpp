@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/support/eventually.h"
 #include "tests/support/gate.h"
 #include "tests/support/local_cluster.h"
 #include "torchrpc/rpc/request_cancellation.h"
@@ -22,25 +23,13 @@ using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 using rpc::ErrorCode;
 using testing::expectRpcError;
+using testing::eventually;
 using testing::Gate;
 using testing::LocalCluster;
 using testing::OpenOnExit;
 
 // Few server threads, so that a test can keep all of them busy.
 constexpr int kThreads = 2;
-
-// Polls `condition` every millisecond for at most `limit`.
-template <typename F>
-bool eventually(F condition, Clock::duration limit = 10s) {
-  auto end = Clock::now() + limit;
-  while (!condition()) {
-    if (Clock::now() >= end) {
-      return false;
-    }
-    std::this_thread::sleep_for(1ms);
-  }
-  return true;
-}
 
 // What the "watch" handler saw, for the test thread to read.
 struct Watch {
