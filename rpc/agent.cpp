@@ -22,6 +22,7 @@
 #include "proto/rpc/envelope.pb.h"
 #include "torchrpc/rpc/detail/agent_metrics.h"
 #include "torchrpc/rpc/detail/cancelled_requests.h"
+#include "torchrpc/rpc/detail/inline_handler.h"
 #include "torchrpc/rpc/detail/lost_workers.h"
 #include "torchrpc/rpc/detail/spinning_thread_pool.h"
 #include "torchrpc/rpc/errors.h"
@@ -159,7 +160,10 @@ struct ServedRequest {
 // (a thread wake-up, or on a machine with few cores one more thread
 // competing for them) at the price of the connection's next messages
 // waiting for the handler; a request that arrives before the agent knows
-// the job's workers goes to the pool all the same.
+// the job's workers goes to the pool all the same. A handler run there
+// must not wait: the answer may have to come through the thread it would
+// block. So Future::wait() on an incomplete future fails at once on such a
+// thread (detail::InlineHandlerScope), and the caller learns why.
 
 // Note [Agent heartbeats]
 // ~~~~~~~~~~~~~~~~~~~~~~~
@@ -631,6 +635,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
             handler->second.runsInline(
                 envelope->body(),
                 tensorBytes(message.tensors))))) {
+        detail::InlineHandlerScope inlineHandler;
         onRequest(
             conn,
             *envelope,

@@ -1,6 +1,9 @@
 #include "torchrpc/rpc/detail/busy_wait.h"
 
+#include "torchrpc/rpc/detail/inline_handler.h"
 #include "torchrpc/rpc/future.h"
+
+#include <c10/util/Exception.h>
 
 #include <atomic>
 #include <cstdint>
@@ -66,6 +69,14 @@ int64_t contendedBackoffs() {
 void spinUntilCompleted(
     const c10::ivalue::Future& future,
     std::chrono::microseconds limit) {
+  // The answer such a wait needs may have to come through the very thread
+  // it would block (Note [Where messages are handled]).
+  TORCH_CHECK(
+      future.completed() || !runningInlineHandler(),
+      "a function registered cheap (FunctionOptions) waited for a future "
+      "that was not complete; it runs on the transport's thread, which may "
+      "be the one to bring the answer: register it without cheap, or return "
+      "the future instead of waiting for it");
   const auto until = Clock::now() + limit;
   while (!future.completed() && Clock::now() < until) {
     if (!yieldUnlessContended()) {

@@ -43,6 +43,17 @@ class InlineDispatchTest : public ::testing::TestWithParam<rpc::TransportKind> {
             return a + b;
           });
           rt.functions().add(
+              "wait_cheap",
+              [&rt]() {
+                return rt.withTimeout(10s)
+                    .rpcSync<int64_t>("worker0", "add_pooled", 1, 2);
+              },
+              rpc::FunctionOptions{/*cheap=*/true});
+          rt.functions().add("wait_pooled", [&rt]() {
+            return rt.withTimeout(10s)
+                .rpcSync<int64_t>("worker0", "add_pooled", 1, 2);
+          });
+          rt.functions().add(
               "throw_cheap",
               []() -> int64_t { throw std::runtime_error("cheap but broken"); },
               rpc::FunctionOptions{/*cheap=*/true});
@@ -130,6 +141,23 @@ TEST_P(InlineDispatchTest, BuiltinOperatorsOnSmallTensorsAnswerInline) {
     EXPECT_TRUE(blocker.wait());
   }
   EXPECT_TRUE(at::equal(bigSum.wait(), big * 2));
+  EXPECT_TRUE(c->shutdownAll());
+}
+
+// Waiting on the transport's thread could stall the very connection that
+// must bring the answer: it fails at once, naming the mistake.
+TEST_P(InlineDispatchTest, ACheapFunctionThatWaitsFailsAtOnce) {
+  auto c = cluster();
+  auto start = std::chrono::steady_clock::now();
+  expectRpcError(
+      [&]() {
+        (*c)[0].withTimeout(30s).rpcSync<int64_t>("worker1", "wait_cheap");
+      },
+      ErrorCode::kRemoteException,
+      {"worker1", "wait_cheap", "registered cheap", "return the future"});
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  // The same wait in an ordinary function, on a pool thread, is fine.
+  EXPECT_EQ((*c)[0].rpcSync<int64_t>("worker1", "wait_pooled"), 3);
   EXPECT_TRUE(c->shutdownAll());
 }
 
