@@ -33,6 +33,7 @@ std::atomic<int64_t> backoffUntilNs{0};
 // When the last long yield ended (steady clock, ns).
 std::atomic<int64_t> lastLongYieldNs{std::numeric_limits<int64_t>::min() / 2};
 std::atomic<int64_t> backoffCount{0};
+std::atomic<bool> backoffEnabled{true};
 
 } // namespace
 
@@ -47,7 +48,8 @@ bool yieldUnlessContended() {
   }
   std::this_thread::yield();
   const int64_t after = nowNs();
-  if (after - before < nanos(kContendedYield)) {
+  if (after - before < nanos(kContendedYield) ||
+      !backoffEnabled.load(std::memory_order_relaxed)) {
     return true;
   }
   const int64_t previous =
@@ -60,6 +62,10 @@ bool yieldUnlessContended() {
       std::memory_order_relaxed);
   backoffCount.fetch_add(1, std::memory_order_relaxed);
   return false;
+}
+
+void setContentionBackoffEnabled(bool enabled) {
+  backoffEnabled.store(enabled, std::memory_order_relaxed);
 }
 
 int64_t contendedBackoffs() {

@@ -55,6 +55,11 @@ bool yieldUnlessContended();
 // How many back-offs this process started (for tests).
 int64_t contendedBackoffs();
 
+// For tests of the spinning policies themselves, which would read a busy
+// test machine's back-off as their failure: while disabled, long yields
+// start no back-off. On by default.
+void setContentionBackoffEnabled(bool enabled);
+
 } // namespace detail
 } // namespace rpc
 } // namespace torchrpc
