@@ -22,8 +22,8 @@ namespace {
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 using rpc::ErrorCode;
-using testing::expectRpcError;
 using testing::eventually;
+using testing::expectRpcError;
 using testing::Gate;
 using testing::LocalCluster;
 using testing::OpenOnExit;
