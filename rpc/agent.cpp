@@ -1122,6 +1122,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     out.transport.name = transport_->name();
     out.transport.zeroCopyBytes = transport.zeroCopyBytes;
     out.transport.copiedBytes = transport.copiedBytes;
+    out.transport.reads = transport.reads;
     out.transport.connectionsOpen = transport.connectionsOpen;
     out.transport.heartbeatMisses = transport.heartbeatMisses;
     auto pool = pool_.stats();

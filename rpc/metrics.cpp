@@ -441,6 +441,11 @@ std::string formatPrometheus(const Metrics& m) {
        "counter")
       .sample(transport, static_cast<double>(m.transport.heartbeatMisses));
   e.family(
+       "torchrpc_transport_reads_total",
+       "Reads from the network that brought bytes (TCP; 0 elsewhere).",
+       "counter")
+      .sample(transport, static_cast<double>(m.transport.reads));
+  e.family(
        "torchrpc_thread_pool_threads",
        "Threads of the handler pool.",
        "gauge")
@@ -560,7 +565,7 @@ std::string formatMetricsText(const Metrics& m) {
   out << "transport " << m.transport.name << ": " << m.transport.connectionsOpen
       << " connections, zero-copy bytes " << m.transport.zeroCopyBytes
       << ", copied bytes " << m.transport.copiedBytes << ", heartbeat misses "
-      << m.transport.heartbeatMisses << "\n";
+      << m.transport.heartbeatMisses << ", reads " << m.transport.reads << "\n";
   for (const auto& layer : m.layers) {
     out << layer.layer << ":\n";
     if (layer.values.empty()) {

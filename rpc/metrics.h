@@ -108,6 +108,9 @@ struct TransportMetrics {
   // The transport's own heartbeat misses, summed over its connections (a
   // transport with heartbeats of its own; PeerMetrics has them per peer).
   uint64_t heartbeatMisses = 0;
+  // Reads from the network that brought bytes (TCP; 0 elsewhere). Data
+  // messages received per read says how many a read carries.
+  uint64_t reads = 0;
 };
 
 // The pool that runs handlers and continuations.

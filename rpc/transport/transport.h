@@ -53,6 +53,9 @@ struct TransportStats {
   // Heartbeat intervals that passed without a message, summed over the
   // connections (transports with heartbeats of their own).
   uint64_t heartbeatMisses = 0;
+  // Reads from the network that brought bytes (0 where the transport does
+  // not count them): messages received per read says how well reads batch.
+  uint64_t reads = 0;
 };
 
 // One bidirectional, ordered message stream to a peer.

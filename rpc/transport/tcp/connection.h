@@ -58,6 +58,27 @@ using AsioError = boost::system::error_code;
 // "ip:port", IPv6 in brackets.
 std::string endpointString(const boost::asio::ip::tcp::endpoint& endpoint);
 
+// Note [Buffered frame reads]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A frame has up to five parts (header, tensor lengths, zero-copy words,
+// body, tensors), and reading each with its own exact-size read cost a
+// recvmsg and a strand hand-off per part: three to five per message, and
+// as many again per message when pipelined replies queue up. Instead, a
+// connection reads what the socket has into its read buffer (64 KiB once
+// the handshake passed, enough for one handshake frame before) and parses
+// every complete part in it, in a loop, before it reads again: a one-
+// element call costs one read, and a read that brings forty replies
+// delivers forty. Only a part whose missing bytes are large (at least
+// kDirectReadBytes) is read straight into its destination, so a big
+// tensor still lands in its storage without a copy, while a small one is
+// copied out of the buffer (counted as copied, not zero-copy, bytes).
+//
+// The caps of Note [TCP transport wire format] are checked as before,
+// before anything a frame announces is allocated; the buffer itself is
+// fixed, so a peer cannot make it grow. A socket read is issued only when
+// the buffer is empty; bytes read ahead of where the reader stops (the
+// handshake passed but the connection is not started yet) wait in it.
+
 // One connection's socket and state. Internal: the user holds a
 // TcpConnection handle, whose destruction closes this; asynchronous
 // operations hold a shared_ptr to this until they complete.
@@ -136,26 +157,49 @@ class TcpConnectionImpl
   void awaitWritableFromLoop();
   void onWritableFromLoop(const AsioError& ec);
 
-  // ---- Reading, on the strand ----
+  // ---- Reading, on the strand (Note [Buffered frame reads]) ----
 
   struct ReadProgress;
+  // What to do once the destinations in fill_ are filled.
+  using ReadStep = void (TcpConnectionImpl::*)();
+  // One destination of the bytes being read; `tensor` marks a tensor's
+  // storage, for the zero-copy vs copied count.
+  struct FillTarget {
+    char* data;
+    size_t bytes;
+    bool tensor;
+  };
+  // Fills fill_ (set by the caller) from the read buffer, then from the
+  // socket, and runs `then`. Steps that fill from the buffer run in a
+  // loop, not nested, so a buffer of many small frames does not recurse.
+  void fillThenFromLoop(ReadStep then);
+  void driveReadsFromLoop();
+  // Copies buffered bytes into the unfilled destinations.
+  void drainReadBufferFromLoop();
+  // The buffer is empty and fill_ is not full: reads into the buffer, or
+  // straight into the destinations when what is missing is large.
+  void startSocketReadFromLoop();
+  void onBufferedReadFromLoop(const AsioError& ec, size_t bytes);
+  void onDirectReadFromLoop(const AsioError& ec);
   void readFrameHeaderFromLoop();
-  // Reads a body of `bytes` into body_, then runs `then` on the strand.
-  template <typename Then>
-  void readBodyFromLoop(size_t bytes, Then then);
+  // Reads a body of `bytes` into body_ (a handshake or control frame of
+  // type bodyType_), then runs `then`.
+  void readBodyFromLoop(size_t bytes, ReadStep then);
   void beginReadingFromLoop();
   void failFromNetworkFromLoop(const AsioError& ec);
   void violationFromLoop(const std::string& what);
   void handshakeFailedFromLoop(const std::string& what);
-  void onFrameHeaderFromLoop(const AsioError& ec);
+  void onFrameHeaderFromLoop();
   void onControlFrameFromLoop(const FrameHeader& header);
   void onDataFrameFromLoop(const FrameHeader& header);
   void onLengthsFromLoop();
+  void onCmaWordsFromLoop();
   // Whether tensor `i` of the frame being read comes by address.
   bool byAddressFromLoop(size_t i) const;
-  // Allocates the message the lengths (already validated) describe and
-  // reads its inline parts.
+  // Allocates the message the lengths (already validated) describe into
+  // incoming_ and reads its inline parts.
   void readPayloadFromLoop();
+  void onPayloadFromLoop();
   // Copies the tensors that came by address out of the peer, acks them so
   // the peer may free them, and delivers.
   void finishPayloadFromLoop(Message&& message);
@@ -166,6 +210,8 @@ class TcpConnectionImpl
   void armHandshakeTimerFromLoop();
   void sendHelloFromLoop();
   void onHandshakeFrameFromLoop(const FrameHeader& header);
+  // The body of handshake frame bodyType_ is in body_.
+  void onHandshakeBodyFromLoop();
   void onHelloFromLoop();
   void onWelcomeFromLoop();
   void onProofFromLoop();
@@ -177,8 +223,8 @@ class TcpConnectionImpl
 
   // ---- Same-host zero copy, on the strand ----
 
-  // kCmaProbe, kCmaResult or kAck, whose body is in body_.
-  void onCmaBodyFromLoop(FrameType type);
+  // bodyType_ is kCmaProbe, kCmaResult or kAck, whose body is in body_.
+  void onCmaBodyFromLoop();
   void onAckFromLoop();
   void onCmaProbeFromLoop();
   void onCmaResultFromLoop();
@@ -200,6 +246,7 @@ class TcpConnectionImpl
   size_t bodyBytes_ = 0;
   std::vector<uint64_t> lengths_;
   std::string body_; // handshake and control bodies
+  FrameType bodyType_ = FrameType::kData; // the frame whose body_ is read
   HandshakeState handshake_;
   bool reading_ = false;
   std::string peerName_;
@@ -209,6 +256,20 @@ class TcpConnectionImpl
   SameHostState sameHost_;
   bool dataCma_ = false; // the frame being read is kDataCma
   std::vector<uint64_t> cmaWords_; // its id, then an address per tensor
+  Message incoming_; // the data frame being read; its buffers are in fill_
+  // The read buffer: bytes read off the socket and not yet parsed are
+  // readBuffer_[readBegin_, readEnd_). Allocated at the first read, small
+  // until the handshake passed.
+  std::unique_ptr<char[]> readBuffer_;
+  size_t readCapacity_ = 0;
+  size_t readBegin_ = 0;
+  size_t readEnd_ = 0;
+  std::vector<FillTarget> fill_;
+  size_t fillIndex_ = 0; // the first destination not full
+  size_t fillOffset_ = 0; // bytes already in fill_[fillIndex_]
+  uint64_t fillCopiedTensorBytes_ = 0;
+  ReadStep fillThen_ = nullptr;
+  bool drivingReads_ = false;
 
   mutable std::mutex mutex_;
   std::string describe_;

@@ -9,6 +9,7 @@
 
 #include <boost/asio/read.hpp>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <utility>
@@ -25,13 +26,22 @@ namespace asio = boost::asio;
 
 namespace {
 
-// Bytes per recvmsg on large reads (asio's default is 64 KiB, which costs a
-// syscall and a handler per 64 KiB of a large tensor).
+// Bytes per recvmsg on large reads straight into a destination (asio's
+// default is 64 KiB, which costs a syscall and a handler per 64 KiB of a
+// large tensor).
 constexpr size_t kReadChunkBytes = size_t(4) << 20;
+// The read buffer once the handshake passed, and before: one handshake
+// frame at most.
+constexpr size_t kReadBufferBytes = size_t(64) << 10;
+constexpr size_t kHandshakeReadBufferBytes =
+    kFrameHeaderBytes + kMaxHandshakeBodyBytes;
+// Missing bytes of a part from which it is read straight into its
+// destination rather than through the buffer.
+constexpr size_t kDirectReadBytes = size_t(32) << 10;
 
 } // namespace
 
-// ---- Reading, on the strand ----
+// ---- Reading, on the strand (Note [Buffered frame reads]) ----
 
 // Counts every chunk that arrives as a sign of life, so a long transfer is
 // not taken for silence.
@@ -43,32 +53,146 @@ struct TcpConnectionImpl::ReadProgress {
   }
 };
 
-void TcpConnectionImpl::readFrameHeaderFromLoop() {
+void TcpConnectionImpl::fillThenFromLoop(ReadStep then) {
   TORCHRPC_ASSERT_IN_LOOP();
-  auto self = shared_from_this();
-  asio::async_read(
-      socket_,
-      asio::buffer(frameHeader_, kFrameHeaderBytes),
-      ReadProgress{this},
-      [self](const AsioError& ec, size_t) { self->onFrameHeaderFromLoop(ec); });
+  TORCH_INTERNAL_ASSERT_DEBUG_ONLY(fillThen_ == nullptr);
+  fillThen_ = then;
+  fillIndex_ = 0;
+  fillOffset_ = 0;
+  fillCopiedTensorBytes_ = 0;
+  if (!drivingReads_) {
+    driveReadsFromLoop();
+  }
 }
 
-template <typename Then>
-void TcpConnectionImpl::readBodyFromLoop(size_t bytes, Then then) {
+void TcpConnectionImpl::driveReadsFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  drivingReads_ = true;
+  while (fillThen_ != nullptr) {
+    drainReadBufferFromLoop();
+    if (fillIndex_ < fill_.size()) {
+      startSocketReadFromLoop();
+      break;
+    }
+    // The step may ask for the next part: fillThenFromLoop() then only
+    // sets fillThen_, and this loop goes on.
+    ReadStep step = std::exchange(fillThen_, nullptr);
+    (this->*step)();
+  }
+  drivingReads_ = false;
+}
+
+void TcpConnectionImpl::drainReadBufferFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  while (fillIndex_ < fill_.size()) {
+    FillTarget& target = fill_[fillIndex_];
+    const size_t take =
+        std::min(target.bytes - fillOffset_, readEnd_ - readBegin_);
+    if (take > 0) {
+      std::memcpy(
+          target.data + fillOffset_,
+          readBuffer_.get() + readBegin_,
+          take);
+      readBegin_ += take;
+      fillOffset_ += take;
+      if (target.tensor) {
+        fillCopiedTensorBytes_ += take;
+      }
+    }
+    if (fillOffset_ < target.bytes) {
+      return; // the buffer is empty
+    }
+    ++fillIndex_;
+    fillOffset_ = 0;
+  }
+}
+
+void TcpConnectionImpl::startSocketReadFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  TORCH_INTERNAL_ASSERT_DEBUG_ONLY(readBegin_ == readEnd_);
+  readBegin_ = readEnd_ = 0;
+  size_t missing = fill_[fillIndex_].bytes - fillOffset_;
+  for (size_t i = fillIndex_ + 1; i < fill_.size(); ++i) {
+    missing += fill_[i].bytes;
+  }
+  auto self = shared_from_this();
+  if (missing >= kDirectReadBytes) {
+    std::vector<asio::mutable_buffer> buffers;
+    buffers.reserve(fill_.size() - fillIndex_);
+    for (size_t i = fillIndex_; i < fill_.size(); ++i) {
+      const size_t offset = i == fillIndex_ ? fillOffset_ : 0;
+      if (fill_[i].bytes > offset) {
+        buffers.push_back(
+            asio::buffer(fill_[i].data + offset, fill_[i].bytes - offset));
+      }
+    }
+    asio::async_read(
+        socket_,
+        buffers,
+        ReadProgress{this},
+        [self](const AsioError& ec, size_t) {
+          self->onDirectReadFromLoop(ec);
+        });
+    return;
+  }
+  const size_t capacity =
+      handshake_.done ? kReadBufferBytes : kHandshakeReadBufferBytes;
+  if (readCapacity_ != capacity) {
+    readBuffer_.reset(new char[capacity]);
+    readCapacity_ = capacity;
+  }
+  socket_.async_read_some(
+      asio::buffer(readBuffer_.get(), readCapacity_),
+      [self](const AsioError& ec, size_t bytes) {
+        self->onBufferedReadFromLoop(ec, bytes);
+      });
+}
+
+void TcpConnectionImpl::onBufferedReadFromLoop(
+    const AsioError& ec,
+    size_t bytes) {
+  TORCHRPC_ASSERT_IN_LOOP();
+  if (ec) {
+    failFromNetworkFromLoop(ec);
+    return;
+  }
+  lastReceive_ = Clock::now();
+  context_->socketReads.fetch_add(1, std::memory_order_relaxed);
+  readBegin_ = 0;
+  readEnd_ = bytes;
+  driveReadsFromLoop();
+}
+
+void TcpConnectionImpl::onDirectReadFromLoop(const AsioError& ec) {
+  TORCHRPC_ASSERT_IN_LOOP();
+  if (ec) {
+    failFromNetworkFromLoop(ec);
+    return;
+  }
+  context_->socketReads.fetch_add(1, std::memory_order_relaxed);
+  fillIndex_ = fill_.size();
+  fillOffset_ = 0;
+  driveReadsFromLoop();
+}
+
+void TcpConnectionImpl::readFrameHeaderFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  fill_.clear();
+  fill_.push_back(FillTarget{
+      reinterpret_cast<char*>(frameHeader_),
+      kFrameHeaderBytes,
+      false});
+  fillThenFromLoop(&TcpConnectionImpl::onFrameHeaderFromLoop);
+}
+
+void TcpConnectionImpl::readBodyFromLoop(size_t bytes, ReadStep then) {
   TORCHRPC_ASSERT_IN_LOOP();
   body_.assign(bytes, '\0');
-  auto self = shared_from_this();
-  asio::async_read(
-      socket_,
-      asio::buffer(&body_[0], body_.size()),
-      ReadProgress{this},
-      [self, then](const AsioError& ec, size_t) {
-        if (ec) {
-          self->failFromNetworkFromLoop(ec);
-          return;
-        }
-        then(*self);
-      });
+  fill_.clear();
+  if (bytes > 0) {
+    fill_.push_back(FillTarget{&body_[0], bytes, false});
+  }
+  fillThenFromLoop(then);
 }
 
 void TcpConnectionImpl::beginReadingFromLoop() {
@@ -119,12 +243,8 @@ void TcpConnectionImpl::handshakeFailedFromLoop(const std::string& what) {
 }
 
 // Validates the header, then hands the frame to its kind's reader.
-void TcpConnectionImpl::onFrameHeaderFromLoop(const AsioError& ec) {
+void TcpConnectionImpl::onFrameHeaderFromLoop() {
   TORCHRPC_ASSERT_IN_LOOP();
-  if (ec) {
-    failFromNetworkFromLoop(ec);
-    return;
-  }
   const FrameHeader header = decodeFrameHeader(frameHeader_);
   const std::string refusal = checkFrameHeader(header);
   if (!refusal.empty()) {
@@ -176,9 +296,8 @@ void TcpConnectionImpl::onControlFrameFromLoop(const FrameHeader& header) {
     violationFromLoop("malformed control frame");
     return;
   }
-  readBodyFromLoop(header.bodyBytes, [type](TcpConnectionImpl& self) {
-    self.onCmaBodyFromLoop(type);
-  });
+  bodyType_ = type;
+  readBodyFromLoop(header.bodyBytes, &TcpConnectionImpl::onCmaBodyFromLoop);
 }
 
 void TcpConnectionImpl::onDataFrameFromLoop(const FrameHeader& header) {
@@ -203,18 +322,12 @@ void TcpConnectionImpl::onDataFrameFromLoop(const FrameHeader& header) {
   }
   // Bounded by maxTensorsPerMessage, checked above.
   lengths_.assign(count, 0);
-  auto self = shared_from_this();
-  asio::async_read(
-      socket_,
-      asio::buffer(lengths_.data(), count * sizeof(uint64_t)),
-      ReadProgress{this},
-      [self](const AsioError& ec, size_t) {
-        if (ec) {
-          self->failFromNetworkFromLoop(ec);
-          return;
-        }
-        self->onLengthsFromLoop();
-      });
+  fill_.clear();
+  fill_.push_back(FillTarget{
+      reinterpret_cast<char*>(lengths_.data()),
+      count * sizeof(uint64_t),
+      false});
+  fillThenFromLoop(&TcpConnectionImpl::onLengthsFromLoop);
 }
 
 void TcpConnectionImpl::onLengthsFromLoop() {
@@ -230,19 +343,18 @@ void TcpConnectionImpl::onLengthsFromLoop() {
     return;
   }
   cmaWords_.assign(lengths_.size() + 1, 0);
-  auto self = shared_from_this();
-  asio::async_read(
-      socket_,
-      asio::buffer(cmaWords_.data(), cmaWords_.size() * sizeof(uint64_t)),
-      ReadProgress{this},
-      [self](const AsioError& ec, size_t) {
-        if (ec) {
-          self->failFromNetworkFromLoop(ec);
-          return;
-        }
-        decodeLeWords(self->cmaWords_);
-        self->readPayloadFromLoop();
-      });
+  fill_.clear();
+  fill_.push_back(FillTarget{
+      reinterpret_cast<char*>(cmaWords_.data()),
+      cmaWords_.size() * sizeof(uint64_t),
+      false});
+  fillThenFromLoop(&TcpConnectionImpl::onCmaWordsFromLoop);
+}
+
+void TcpConnectionImpl::onCmaWordsFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  decodeLeWords(cmaWords_);
+  readPayloadFromLoop();
 }
 
 bool TcpConnectionImpl::byAddressFromLoop(size_t i) const {
@@ -252,53 +364,53 @@ bool TcpConnectionImpl::byAddressFromLoop(size_t i) const {
 
 void TcpConnectionImpl::readPayloadFromLoop() {
   TORCHRPC_ASSERT_IN_LOOP();
-  // The buffers point into the holder: a short header lives inside the
-  // std::string, so the message must not move before the read completes.
-  auto holder = std::make_shared<Message>();
-  Message& message = *holder;
+  // fill_ points into incoming_ (a short header lives inside the
+  // std::string), which stays put until onPayloadFromLoop moves it out.
+  incoming_ = Message();
   try {
-    message.header.resize(bodyBytes_);
-    message.tensors.reserve(lengths_.size());
-    uint64_t tensorBytes = 0;
+    incoming_.header.resize(bodyBytes_);
+    incoming_.tensors.reserve(lengths_.size());
     for (uint64_t length : lengths_) {
-      message.tensors.push_back(context_->pool->allocate(length));
-      tensorBytes += length;
+      incoming_.tensors.push_back(context_->pool->allocate(length));
     }
-    context_->tensorBytes.fetch_add(tensorBytes, std::memory_order_relaxed);
   } catch (const std::exception& e) {
+    incoming_ = Message();
     fail(TransportError{
         ErrorCode::kWorkerUnavailable,
         "connection to " + describe() +
             ": cannot allocate a message: " + describeException(e)});
     return;
   }
-  std::vector<asio::mutable_buffer> buffers;
-  buffers.reserve(1 + lengths_.size());
+  fill_.clear();
   if (bodyBytes_ > 0) {
-    buffers.push_back(asio::buffer(&message.header[0], bodyBytes_));
+    fill_.push_back(FillTarget{&incoming_.header[0], bodyBytes_, false});
   }
   for (size_t i = 0; i < lengths_.size(); ++i) {
     if (lengths_[i] > 0 && !byAddressFromLoop(i)) {
-      buffers.push_back(
-          asio::buffer(message.tensors[i].data_ptr(), lengths_[i]));
+      fill_.push_back(FillTarget{
+          static_cast<char*>(incoming_.tensors[i].data_ptr()),
+          lengths_[i],
+          true});
     }
   }
-  if (buffers.empty()) {
-    finishPayloadFromLoop(std::move(message));
-    return;
+  fillThenFromLoop(&TcpConnectionImpl::onPayloadFromLoop);
+}
+
+void TcpConnectionImpl::onPayloadFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  uint64_t tensorBytes = 0;
+  for (uint64_t length : lengths_) {
+    tensorBytes += length;
   }
-  auto self = shared_from_this();
-  asio::async_read(
-      socket_,
-      buffers,
-      ReadProgress{this},
-      [self, holder](const AsioError& ec, size_t) {
-        if (ec) {
-          self->failFromNetworkFromLoop(ec);
-          return;
-        }
-        self->finishPayloadFromLoop(std::move(*holder));
-      });
+  // Bytes read by address and straight into storage are zero-copy; those
+  // that came through the read buffer were copied once.
+  context_->tensorBytes.fetch_add(
+      tensorBytes - fillCopiedTensorBytes_,
+      std::memory_order_relaxed);
+  context_->copiedTensorBytes.fetch_add(
+      fillCopiedTensorBytes_,
+      std::memory_order_relaxed);
+  finishPayloadFromLoop(std::move(incoming_));
 }
 
 void TcpConnectionImpl::finishPayloadFromLoop(Message&& message) {
@@ -387,15 +499,21 @@ void TcpConnectionImpl::onHandshakeFrameFromLoop(const FrameHeader& header) {
         std::to_string(header.bodyBytes) + " bytes)");
     return;
   }
-  readBodyFromLoop(header.bodyBytes, [expected](TcpConnectionImpl& self) {
-    if (expected == FrameType::kHello) {
-      self.onHelloFromLoop();
-    } else if (expected == FrameType::kWelcome) {
-      self.onWelcomeFromLoop();
-    } else {
-      self.onProofFromLoop();
-    }
-  });
+  bodyType_ = expected;
+  readBodyFromLoop(
+      header.bodyBytes,
+      &TcpConnectionImpl::onHandshakeBodyFromLoop);
+}
+
+void TcpConnectionImpl::onHandshakeBodyFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  if (bodyType_ == FrameType::kHello) {
+    onHelloFromLoop();
+  } else if (bodyType_ == FrameType::kWelcome) {
+    onWelcomeFromLoop();
+  } else {
+    onProofFromLoop();
+  }
 }
 
 bool TcpConnectionImpl::readGreetingFromLoop(
@@ -582,11 +700,11 @@ void TcpConnectionImpl::handOverFromLoop() {
 
 // ---- Same-host zero copy, on the strand ----
 
-void TcpConnectionImpl::onCmaBodyFromLoop(FrameType type) {
+void TcpConnectionImpl::onCmaBodyFromLoop() {
   TORCHRPC_ASSERT_IN_LOOP();
-  if (type == FrameType::kAck) {
+  if (bodyType_ == FrameType::kAck) {
     onAckFromLoop();
-  } else if (type == FrameType::kCmaProbe) {
+  } else if (bodyType_ == FrameType::kCmaProbe) {
     onCmaProbeFromLoop();
   } else {
     onCmaResultFromLoop();

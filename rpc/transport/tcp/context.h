@@ -41,10 +41,15 @@ struct TcpContext {
   // is posted before is run by join()'s last poll, nothing is posted after.
   std::mutex postMutex;
   IoPolling polling;
-  // For TcpTransport::stats(). Tensor bytes always go straight from and
-  // into a tensor's storage (writev, process_vm_readv, reads into the
-  // receive buffer that becomes the tensor): none is copied in user space.
+  // For TcpTransport::stats(). Tensor bytes go straight from and into a
+  // tensor's storage (writev, process_vm_readv, reads into the receive
+  // buffer that becomes the tensor), except the small tensors of received
+  // frames, copied out of a connection's read buffer (Note [Buffered frame
+  // reads] in tcp/connection.h).
   std::atomic<uint64_t> tensorBytes{0};
+  std::atomic<uint64_t> copiedTensorBytes{0};
+  // Socket reads that brought bytes (TransportStats::reads).
+  std::atomic<uint64_t> socketReads{0};
   std::atomic<uint64_t> heartbeatMisses{0};
 
   std::mutex mutex;

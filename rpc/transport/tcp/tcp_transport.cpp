@@ -102,6 +102,9 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
   TransportStats stats() const {
     TransportStats out;
     out.zeroCopyBytes = context_->tensorBytes.load(std::memory_order_relaxed);
+    out.copiedBytes =
+        context_->copiedTensorBytes.load(std::memory_order_relaxed);
+    out.reads = context_->socketReads.load(std::memory_order_relaxed);
     out.heartbeatMisses =
         context_->heartbeatMisses.load(std::memory_order_relaxed);
     std::lock_guard<std::mutex> guard(context_->mutex);
