@@ -1,6 +1,7 @@
 #include "torchrpc/rpc/detail/busy_wait.h"
 
 #include "torchrpc/rpc/detail/inline_handler.h"
+#include "torchrpc/rpc/detail/wait_drivers.h"
 #include "torchrpc/rpc/future.h"
 
 #include <c10/util/Exception.h>
@@ -83,12 +84,22 @@ void spinUntilCompleted(
       "that was not complete; it runs on the transport's thread, which may "
       "be the one to bring the answer: register it without cheap, or return "
       "the future instead of waiting for it");
+  if (future.completed()) {
+    return;
+  }
+  // Note [Waiting callers drive the transport]: the answer is read here
+  // when the transport lets this thread run its loop.
+  DrivingScope driving;
   const auto until = Clock::now() + limit;
   while (!future.completed() && Clock::now() < until) {
+    if (driving.driveOnce()) {
+      continue;
+    }
     if (!yieldUnlessContended()) {
-      return;
+      break;
     }
   }
+  driving.end(future.completed());
 }
 
 } // namespace detail

@@ -183,7 +183,7 @@ inline std::string randomBytes(size_t count, uint32_t seed) {
 
 // A listening server with one legitimate connection already open; after
 // each hostile act, that connection and a brand-new one must still work.
-class TcpListenerFixture : public testing::Test {
+class TcpListenerFixture : public ::testing::Test {
  protected:
   void SetUp() override {
     server_ = std::make_unique<detail::TcpTransport>(serverOptions());

@@ -1,11 +1,14 @@
 #include "torchrpc/rpc/transport/tcp/polling.h"
 #include "torchrpc/rpc/detail/busy_wait.h"
+#include "torchrpc/rpc/detail/wait_drivers.h"
+#include "torchrpc/rpc/log_level.h"
 
 #include <c10/util/Exception.h>
 
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/post.hpp>
 
+#include <thread>
 #include <utility>
 
 namespace torchrpc {
@@ -16,6 +19,11 @@ namespace tcp {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Note [Waiting callers drive the transport]: how long after the last
+// drive the io thread keeps standing by, and how often it checks.
+constexpr std::chrono::microseconds kDriverLinger{200};
+constexpr std::chrono::microseconds kStandByWait{200};
 
 std::atomic<int>& pollingSlotHolders() {
   static std::atomic<int> count{0};
@@ -71,7 +79,13 @@ void IoPolling::watchAwaitedReplies(
 
 void IoPolling::run() {
   PollingSlot slot;
+  EventLoopThreadScope loopThread;
   while (!io_.stopped()) {
+    if (driversActive()) {
+      slot.release();
+      standByForDrivers();
+      continue;
+    }
     if (io_.poll() > 0) {
       continue;
     }
@@ -99,6 +113,80 @@ size_t IoPolling::sleepUntilWork() {
     }
   } counted(sleepingIoThreads_);
   return io_.run_one();
+}
+
+bool IoPolling::driversActive() const {
+  if (closedToDrivers_.load()) {
+    return false;
+  }
+  if (drivers_.load() > 0) {
+    return true;
+  }
+  auto sinceDrive = std::chrono::nanoseconds(
+      Clock::now().time_since_epoch().count() -
+      lastDriveEnd_.load(std::memory_order_relaxed));
+  return sinceDrive < kDriverLinger;
+}
+
+bool IoPolling::standByForDrivers() {
+  standBys_.fetch_add(1, std::memory_order_relaxed);
+  std::unique_lock<std::mutex> lock(standByMutex_);
+  return standByCv_.wait_for(lock, kStandByWait, [this]() {
+    return !driversActive() || closedToDrivers_.load();
+  });
+}
+
+bool IoPolling::beginDriving() {
+  if (!enabled() || closedToDrivers_.load()) {
+    return false;
+  }
+  drivers_.fetch_add(1);
+  return true;
+}
+
+bool IoPolling::driveOnce() {
+  drivesRunning_.fetch_add(1);
+  struct Leave {
+    std::atomic<int>& running;
+    ~Leave() {
+      running.fetch_sub(1);
+    }
+  } leave{drivesRunning_};
+  // Checked after counting in: closeToDrivers() sets the flag, then waits
+  // for the count, so no drive starts after it returned.
+  if (closedToDrivers_.load() || io_.stopped()) {
+    return false;
+  }
+  try {
+    return io_.poll() > 0;
+  } catch (const std::exception& e) {
+    TORCHRPC_LOG(kError) << "TcpTransport: callback threw on a thread "
+                         << "waiting for a reply: " << e.what();
+    return true;
+  }
+}
+
+void IoPolling::endDriving(bool answered) {
+  lastDriveEnd_.store(
+      Clock::now().time_since_epoch().count(),
+      std::memory_order_relaxed);
+  if (drivers_.fetch_sub(1) == 1 && !answered) {
+    // The waiter will sleep on its future: the io thread must read the
+    // answer, now rather than at its next check.
+    lastDriveEnd_.store(0, std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lock(standByMutex_);
+    standByCv_.notify_all();
+  }
+}
+
+void IoPolling::closeToDrivers() {
+  closedToDrivers_.store(true);
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  while (drivesRunning_.load() > 0 && Clock::now() < deadline) {
+    std::this_thread::yield();
+  }
+  std::lock_guard<std::mutex> lock(standByMutex_);
+  standByCv_.notify_all();
 }
 
 bool PollingSlot::take() {

@@ -5,9 +5,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 
 namespace boost {
 namespace asio {
@@ -65,10 +67,32 @@ class IoPolling {
 
   // Runs io's handlers, polling per the policy, until io stops or runs out
   // of work. Exceptions from handlers propagate (the polling slot is given
-  // back).
+  // back). Stands by while waiting callers drive the loop.
   void run();
 
+  // ---- Waiting callers (Note [Waiting callers drive the transport] in
+  // rpc/detail/wait_drivers.h), on any thread ----
+
+  // False once closed to drivers, or with polling off (the io thread then
+  // sleeps in epoll, holding the reactor a driver would need).
+  bool beginDriving();
+  // io.poll() on the calling thread; true if it ran a handler. Handlers'
+  // exceptions are logged, not thrown into the waiter.
+  bool driveOnce();
+  void endDriving(bool answered);
+  // No thread drives once this returns (bounded: a drive step runs only
+  // ready handlers, which must not block).
+  void closeToDrivers();
+  // How often the io thread stood by for a driver (for tests).
+  uint64_t standBys() const {
+    return standBys_.load(std::memory_order_relaxed);
+  }
+
  private:
+  // While a waiter drives, or drove within kDriverLinger: waits on
+  // standByCv_ for at most kStandByWait and returns true.
+  bool standByForDrivers();
+  bool driversActive() const;
   // io.run_one(), counted in sleepingIoThreads_ meanwhile.
   size_t sleepUntilWork();
 
@@ -85,6 +109,17 @@ class IoPolling {
   // count yet: then it misses one wake-up to poll, which costs only
   // latency).
   std::atomic<int> sleepingIoThreads_{0};
+
+  // Threads driving the loop now, and when (steady clock, ns) the last one
+  // stopped.
+  std::atomic<int> drivers_{0};
+  std::atomic<int64_t> lastDriveEnd_{0};
+  // Threads inside driveOnce(), and whether new ones are refused.
+  std::atomic<int> drivesRunning_{0};
+  std::atomic<bool> closedToDrivers_{false};
+  std::atomic<uint64_t> standBys_{0};
+  std::mutex standByMutex_;
+  std::condition_variable standByCv_;
 };
 
 // At most one io thread of a process polls at a time, so several workers

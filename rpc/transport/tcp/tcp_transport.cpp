@@ -13,11 +13,13 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "torchrpc/rpc/detail/wait_drivers.h"
 #include "torchrpc/rpc/log_level.h"
 #include "torchrpc/rpc/transport/tcp/connection.h"
 #include "torchrpc/rpc/transport/tcp/context.h"
@@ -86,6 +88,27 @@ bool parseHostPort(
   return true;
 }
 
+// Lets threads waiting for a reply run this transport's loop (Note
+// [Waiting callers drive the transport] in rpc/detail/wait_drivers.h).
+class TcpWaitDriver : public WaitDriver {
+ public:
+  explicit TcpWaitDriver(std::shared_ptr<TcpContext> context)
+      : context_(std::move(context)) {}
+
+  bool beginDriving() override {
+    return context_->polling.beginDriving();
+  }
+  bool driveOnce() override {
+    return context_->polling.driveOnce();
+  }
+  void endDriving(bool answered) override {
+    context_->polling.endDriving(answered);
+  }
+
+ private:
+  const std::shared_ptr<TcpContext> context_;
+};
+
 } // namespace
 
 // The transport behind TcpTransport: io threads, the listener (which keeps
@@ -124,6 +147,10 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
     running_ = o.ioThreads;
     for (int i = 0; i < o.ioThreads; ++i) {
       threads_.emplace_back([this]() { runIo(); });
+    }
+    if (context_->polling.enabled()) {
+      waitDriver_ = std::make_unique<WaitDriverRegistration>(
+          std::make_shared<TcpWaitDriver>(context_));
     }
   }
 
@@ -270,6 +297,10 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
           thread.get_id() != std::this_thread::get_id(),
           "TcpTransport::join() called from its own io thread");
     }
+    // No waiting caller runs the loop from here on: the io threads, then
+    // join() itself, finish its work.
+    context_->polling.closeToDrivers();
+    waitDriver_.reset();
     if (threads_.empty()) {
       return;
     }
@@ -412,6 +443,8 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
   const std::shared_ptr<TcpContext> context_;
   asio::executor_work_guard<asio::io_context::executor_type> work_;
   std::vector<std::thread> threads_;
+  // Set while polling is on; reset by join().
+  std::unique_ptr<WaitDriverRegistration> waitDriver_;
 
   mutable std::mutex mutex_;
   std::condition_variable runningCv_;

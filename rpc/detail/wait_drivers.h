@@ -1,0 +1,101 @@
+#pragma once
+
+// Threads that wait for a future drive the transport that brings the
+// answer. See Note [Waiting callers drive the transport].
+
+#include <memory>
+#include <vector>
+
+namespace torchrpc {
+namespace rpc {
+namespace detail {
+
+// Note [Waiting callers drive the transport]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A caller blocked in Future::wait() spins for a while before it sleeps
+// (Note [Adaptive spin]), and meanwhile the TCP transport's io thread polls
+// the sockets for the reply (Note [Polling after traffic]): two threads of
+// the process spin for one answer, three with the peer's io thread, on a
+// machine that may have two CPUs. Instead, the waiting thread runs the
+// transport's event loop itself, without blocking (gRPC's completion-queue
+// pluck, KJ's event loop): it reads the reply, and the future completes on
+// the very thread that needs it. Meanwhile the io thread stands by asleep
+// on a condition variable, not in epoll (where it would hold the reactor
+// that the waiter needs), and wakes:
+//   - at once when a waiter gives up driving before its answer came (it is
+//     about to sleep on its future: someone must read the answer);
+//   - when no thread drove for kDriverLinger (the next call of a
+//     synchronous loop usually comes sooner, so a loop of calls does not
+//     wake it each time); it checks at least every kStandByWait.
+// So at any time either a waiter or the io thread runs the loop, or the io
+// thread will within kStandByWait: messages nobody waits for (a peer's
+// requests, heartbeats) are read at most that late after a wait ended.
+//
+// What a waiter runs is what the io thread would: reads, the handlers of
+// cheap functions (Note [Where messages are handled]) and future
+// callbacks. A thread drives only the loops registered here (TCP
+// transports with polling on), never from inside a loop it is already
+// running (an io thread, or a callback run while driving), and never while
+// it runs an inline handler (Future::wait() refuses that wait outright).
+// join() closes a transport to drivers and waits for the ones inside before
+// it runs the loop's last handlers itself.
+
+// An event loop a waiting thread can run steps of.
+class WaitDriver {
+ public:
+  virtual ~WaitDriver() = default;
+  // The calling thread starts driving; false if it cannot (closed).
+  virtual bool beginDriving() = 0;
+  // Runs what is ready without blocking; true if it ran anything.
+  virtual bool driveOnce() = 0;
+  // The thread stops driving; `answered` is false when it stops before its
+  // future completed (it will sleep: the loop's own thread takes over).
+  virtual void endDriving(bool answered) = 0;
+};
+
+// Keeps `driver` registered until destroyed.
+class WaitDriverRegistration {
+ public:
+  explicit WaitDriverRegistration(std::shared_ptr<WaitDriver> driver);
+  ~WaitDriverRegistration();
+  WaitDriverRegistration(const WaitDriverRegistration&) = delete;
+  WaitDriverRegistration& operator=(const WaitDriverRegistration&) = delete;
+
+ private:
+  const std::shared_ptr<WaitDriver> driver_;
+};
+
+// How a waiting thread drives every registered loop: begins on
+// construction (unless this thread already runs a loop), ends on
+// destruction or end().
+class DrivingScope {
+ public:
+  DrivingScope();
+  ~DrivingScope();
+  DrivingScope(const DrivingScope&) = delete;
+  DrivingScope& operator=(const DrivingScope&) = delete;
+
+  // One non-blocking step of every loop; true if any ran something.
+  bool driveOnce();
+  void end(bool answered);
+
+ private:
+  std::vector<std::shared_ptr<WaitDriver>> drivers_;
+};
+
+// Marks the current thread as running an event loop for its lifetime: it
+// never drives another from a wait (io threads, and drivers themselves).
+class EventLoopThreadScope {
+ public:
+  EventLoopThreadScope();
+  ~EventLoopThreadScope();
+  EventLoopThreadScope(const EventLoopThreadScope&) = delete;
+  EventLoopThreadScope& operator=(const EventLoopThreadScope&) = delete;
+
+ private:
+  const bool outer_;
+};
+
+} // namespace detail
+} // namespace rpc
+} // namespace torchrpc
