@@ -24,11 +24,11 @@ namespace detail {
 // that the waiter needs), and wakes:
 //   - at once when a waiter gives up driving before its answer came (it is
 //     about to sleep on its future: someone must read the answer);
-//   - when no thread drove for kDriverLinger (the next call of a
+//   - when no thread drove for kDriverLinger, 0.2 ms (the next call of a
 //     synchronous loop usually comes sooner, so a loop of calls does not
 //     wake it each time); it checks at least every kStandByWait.
 // So at any time either a waiter or the io thread runs the loop, or the io
-// thread will within kStandByWait: messages nobody waits for (a peer's
+// thread will within kDriverLinger: messages nobody waits for (a peer's
 // requests, heartbeats) are read at most that late after a wait ended.
 //
 // What a waiter runs is what the io thread would: reads, the handlers of

@@ -8,6 +8,7 @@
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/post.hpp>
 
+#include <algorithm>
 #include <thread>
 #include <utility>
 
@@ -130,8 +131,18 @@ bool IoPolling::driversActive() const {
 
 bool IoPolling::standByForDrivers() {
   standBys_.fetch_add(1, std::memory_order_relaxed);
+  // With no driver left, only until the linger ends.
+  std::chrono::nanoseconds wait = kStandByWait;
+  if (drivers_.load() == 0) {
+    wait = std::min(
+        wait,
+        kDriverLinger -
+            std::chrono::nanoseconds(
+                Clock::now().time_since_epoch().count() -
+                lastDriveEnd_.load(std::memory_order_relaxed)));
+  }
   std::unique_lock<std::mutex> lock(standByMutex_);
-  return standByCv_.wait_for(lock, kStandByWait, [this]() {
+  return standByCv_.wait_for(lock, wait, [this]() {
     return !driversActive() || closedToDrivers_.load();
   });
 }
