@@ -164,6 +164,11 @@ struct ServedRequest {
 // must not wait: the answer may have to come through the thread it would
 // block. So Future::wait() on an incomplete future fails at once on such a
 // thread (detail::InlineHandlerScope), and the caller learns why.
+// "Transport thread" includes a caller's own: over TCP, a thread waiting
+// for its reply runs the transport's loop itself, so the response to its
+// rpcSync is decoded and completed on the thread that waits for it, and
+// requests that arrive meanwhile are read there too (Note [Waiting callers
+// drive the transport] in rpc/detail/wait_drivers.h).
 
 // Note [Agent heartbeats]
 // ~~~~~~~~~~~~~~~~~~~~~~~
