@@ -127,7 +127,12 @@ Options Options::fromEnvironment() {
   int64_t maxEvents = envInt(
       "TORCHRPC_TRACE_MAX_EVENTS",
       static_cast<int64_t>(options.traceMaxEvents));
-  TORCH_CHECK(maxEvents >= 0, "TORCHRPC_TRACE_MAX_EVENTS must not be negative");
+  TORCH_CHECK(
+      maxEvents >= 0,
+      "TORCHRPC_TRACE_MAX_EVENTS must not be negative, got '",
+      // Set: the default is not negative.
+      env("TORCHRPC_TRACE_MAX_EVENTS"),
+      "'");
   options.traceMaxEvents = static_cast<size_t>(maxEvents);
   if (const char* metrics = env("TORCHRPC_METRICS_ADDR")) {
     options.metricsAddress = metrics;
