@@ -4,7 +4,10 @@
 
 #include <csignal>
 #include <cstdlib>
+#include <optional>
 #include <string>
+
+#include "torchrpc/rpc/trace_steps.h"
 
 namespace torchrpc {
 namespace rpc {
@@ -103,26 +106,17 @@ Options Options::fromEnvironment() {
     options.traceDirectory = directory;
   }
   if (const char* window = env("TORCHRPC_TRACE_STEPS")) {
-    // "first:count", or "count" for the first `count` steps.
-    std::string text = window;
-    auto colon = text.find(':');
-    std::string first =
-        colon == std::string::npos ? "0" : text.substr(0, colon);
-    std::string count =
-        colon == std::string::npos ? text : text.substr(colon + 1);
-    char* end1 = nullptr;
-    char* end2 = nullptr;
-    long long f = std::strtoll(first.c_str(), &end1, 10);
-    long long c = std::strtoll(count.c_str(), &end2, 10);
+    // The launcher's --trace-steps reads the same syntax (trace_steps.h).
+    std::optional<TraceStepWindow> steps = parseTraceSteps(window);
     TORCH_CHECK(
-        !first.empty() && !count.empty() && *end1 == '\0' && *end2 == '\0' &&
-            f >= 0 && c > 0,
-        "TORCHRPC_TRACE_STEPS must be 'first:count' (or 'count') with "
-        "first >= 0 and count > 0, got '",
+        steps.has_value(),
+        "TORCHRPC_TRACE_STEPS must be ",
+        kTraceStepsSyntax,
+        ", got '",
         window,
         "'");
-    options.traceFirstStep = f;
-    options.traceStepCount = c;
+    options.traceFirstStep = steps->first;
+    options.traceStepCount = steps->count;
   }
   int64_t maxEvents = envInt(
       "TORCHRPC_TRACE_MAX_EVENTS",

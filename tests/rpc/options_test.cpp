@@ -84,6 +84,38 @@ TEST_F(
   }
 }
 
+// A window the Tracer could not hold (Tracer::traceSteps needs first +
+// count in an int64) is refused here, naming the variable, and not later
+// by the DistributedOptimizer that arms the window. The launcher's
+// --trace-steps refuses the same values (rpc/trace_steps.h).
+TEST_F(OptionsFromEnvironment, TraceStepsBeyondInt64AreRefusedWhenRead) {
+  ::setenv("TORCHRPC_TRACE_STEPS", "99999999999999999999:1", 1);
+  EXPECT_EQ(
+      errorOfFromEnvironment(),
+      "TORCHRPC_TRACE_STEPS must be FIRST:COUNT, or COUNT for FIRST 0, in "
+      "decimal digits, with COUNT > 0 and FIRST + COUNT at most 2^63 - 1, "
+      "got '99999999999999999999:1'");
+  for (const char* text :
+       {"1:99999999999999999999",
+        "9223372036854775808",
+        "1:9223372036854775807",
+        "9223372036854775807:1",
+        "+5",
+        " 5",
+        "1: 2"}) {
+    expectRefusedNaming("TORCHRPC_TRACE_STEPS", text);
+  }
+  // The largest windows there are.
+  ::setenv("TORCHRPC_TRACE_STEPS", "9223372036854775806:1", 1);
+  rpc::Options options = rpc::Options::fromEnvironment();
+  EXPECT_EQ(options.traceFirstStep, 9223372036854775806);
+  EXPECT_EQ(options.traceStepCount, 1);
+  ::setenv("TORCHRPC_TRACE_STEPS", "9223372036854775807", 1);
+  options = rpc::Options::fromEnvironment();
+  EXPECT_EQ(options.traceFirstStep, 0);
+  EXPECT_EQ(options.traceStepCount, 9223372036854775807);
+}
+
 TEST_F(OptionsFromEnvironment, TraceMaxEventsIsAnEventCount) {
   EXPECT_EQ(rpc::Options::fromEnvironment().traceMaxEvents, 1000000u);
   ::setenv("TORCHRPC_TRACE_MAX_EVENTS", "2500", 1);
