@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <cerrno>
 #include <csignal>
 #include <cstdlib>
 #include <optional>
@@ -25,12 +26,21 @@ int64_t envInt(const char* name, int64_t fallback) {
     return fallback;
   }
   char* end = nullptr;
+  errno = 0;
   long long parsed = std::strtoll(value, &end, 10);
   TORCH_CHECK(
       end != value && *end == '\0',
       "environment variable ",
       name,
       " must be an integer, got '",
+      value,
+      "'");
+  // strtoll clamps what does not fit, which would pass for a choice.
+  TORCH_CHECK(
+      errno != ERANGE,
+      "environment variable ",
+      name,
+      " must be an integer that fits in 64 bits, got '",
       value,
       "'");
   return parsed;

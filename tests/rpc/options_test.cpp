@@ -139,6 +139,12 @@ TEST_F(
   for (const char* text : {"1e6", "12 ", "0x10"}) {
     expectRefusedNaming("TORCHRPC_TRACE_MAX_EVENTS", text);
   }
+  // strtoll would clamp it to 2^63 - 1, which is no cap at all.
+  ::setenv("TORCHRPC_TRACE_MAX_EVENTS", "99999999999999999999", 1);
+  EXPECT_EQ(
+      errorOfFromEnvironment(),
+      "environment variable TORCHRPC_TRACE_MAX_EVENTS must be an integer "
+      "that fits in 64 bits, got '99999999999999999999'");
 }
 
 // A malformed address is refused when the Runtime is made, naming
