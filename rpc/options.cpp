@@ -2,9 +2,13 @@
 
 #include <c10/util/Exception.h>
 
+#include <cerrno>
 #include <csignal>
 #include <cstdlib>
+#include <optional>
 #include <string>
+
+#include "torchrpc/rpc/trace_steps.h"
 
 namespace torchrpc {
 namespace rpc {
@@ -22,12 +26,21 @@ int64_t envInt(const char* name, int64_t fallback) {
     return fallback;
   }
   char* end = nullptr;
+  errno = 0;
   long long parsed = std::strtoll(value, &end, 10);
   TORCH_CHECK(
       end != value && *end == '\0',
       "environment variable ",
       name,
       " must be an integer, got '",
+      value,
+      "'");
+  // strtoll clamps what does not fit, which would pass for a choice.
+  TORCH_CHECK(
+      errno != ERANGE,
+      "environment variable ",
+      name,
+      " must be an integer that fits in 64 bits, got '",
       value,
       "'");
   return parsed;
@@ -103,31 +116,27 @@ Options Options::fromEnvironment() {
     options.traceDirectory = directory;
   }
   if (const char* window = env("TORCHRPC_TRACE_STEPS")) {
-    // "first:count", or "count" for the first `count` steps.
-    std::string text = window;
-    auto colon = text.find(':');
-    std::string first =
-        colon == std::string::npos ? "0" : text.substr(0, colon);
-    std::string count =
-        colon == std::string::npos ? text : text.substr(colon + 1);
-    char* end1 = nullptr;
-    char* end2 = nullptr;
-    long long f = std::strtoll(first.c_str(), &end1, 10);
-    long long c = std::strtoll(count.c_str(), &end2, 10);
+    // The launcher's --trace-steps reads the same syntax (trace_steps.h).
+    std::optional<TraceStepWindow> steps = parseTraceSteps(window);
     TORCH_CHECK(
-        !first.empty() && !count.empty() && *end1 == '\0' && *end2 == '\0' &&
-            f >= 0 && c > 0,
-        "TORCHRPC_TRACE_STEPS must be 'first:count' (or 'count') with "
-        "first >= 0 and count > 0, got '",
+        steps.has_value(),
+        "TORCHRPC_TRACE_STEPS must be ",
+        kTraceStepsSyntax,
+        ", got '",
         window,
         "'");
-    options.traceFirstStep = f;
-    options.traceStepCount = c;
+    options.traceFirstStep = steps->first;
+    options.traceStepCount = steps->count;
   }
   int64_t maxEvents = envInt(
       "TORCHRPC_TRACE_MAX_EVENTS",
       static_cast<int64_t>(options.traceMaxEvents));
-  TORCH_CHECK(maxEvents >= 0, "TORCHRPC_TRACE_MAX_EVENTS must not be negative");
+  TORCH_CHECK(
+      maxEvents >= 0,
+      "TORCHRPC_TRACE_MAX_EVENTS must not be negative, got '",
+      // Set: the default is not negative.
+      env("TORCHRPC_TRACE_MAX_EVENTS"),
+      "'");
   options.traceMaxEvents = static_cast<size_t>(maxEvents);
   if (const char* metrics = env("TORCHRPC_METRICS_ADDR")) {
     options.metricsAddress = metrics;

@@ -42,13 +42,13 @@ inline const std::initializer_list<const char*>& launcherVariables() {
   return names;
 }
 
-// Clears the launcher variables for the lifetime of the object and puts
-// back what was there before, so that a test's environment never leaks into
-// the next (nor the launcher's that runs the tests into this one).
-class ScopedLauncherEnv {
+// Clears the variables `names` for the lifetime of the object and puts back
+// what was there before, so that a test's environment never leaks into the
+// next (nor the environment that runs the tests into this one).
+class ScopedEnv {
  public:
-  ScopedLauncherEnv() {
-    for (const char* name : launcherVariables()) {
+  explicit ScopedEnv(std::initializer_list<const char*> names) {
+    for (const char* name : names) {
       const char* value = std::getenv(name);
       saved_.emplace(
           name,
@@ -57,7 +57,7 @@ class ScopedLauncherEnv {
       ::unsetenv(name);
     }
   }
-  ~ScopedLauncherEnv() {
+  ~ScopedEnv() {
     for (const auto& entry : saved_) {
       if (entry.second) {
         ::setenv(entry.first.c_str(), entry.second->c_str(), 1);
@@ -66,8 +66,8 @@ class ScopedLauncherEnv {
       }
     }
   }
-  ScopedLauncherEnv(const ScopedLauncherEnv&) = delete;
-  ScopedLauncherEnv& operator=(const ScopedLauncherEnv&) = delete;
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
 
   void set(std::initializer_list<std::pair<const char*, const char*>> values) {
     for (const auto& value : values) {
@@ -77,6 +77,13 @@ class ScopedLauncherEnv {
 
  private:
   std::map<std::string, c10::optional<std::string>> saved_;
+};
+
+// ScopedEnv over every launcher variable: what the launcher that runs the
+// tests set cannot tell Options::fromEnvironment() who this process is.
+class ScopedLauncherEnv : public ScopedEnv {
+ public:
+  ScopedLauncherEnv() : ScopedEnv(launcherVariables()) {}
 };
 
 } // namespace testing

@@ -15,6 +15,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "torchrpc/rpc/trace_steps.h"
+
 namespace torchrpc {
 namespace launcher {
 
@@ -163,18 +165,10 @@ bool parseCommandLine(
          "with --trace-dir, trace only steps FIRST:COUNT (TORCHRPC_TRACE_STEPS)")
       ->check(CLI::Validator(
           [](std::string& value) -> std::string {
-            auto colon = value.find(':');
-            // At most 18 digits: std::stoll below must not overflow.
-            auto digits = [](const std::string& part) {
-              return !part.empty() && part.size() <= 18 &&
-                  part.find_first_not_of("0123456789") == std::string::npos;
-            };
-            if (colon == std::string::npos
-                    ? !digits(value) || std::stoll(value) == 0
-                    : !digits(value.substr(0, colon)) ||
-                        !digits(value.substr(colon + 1)) ||
-                        std::stoll(value.substr(colon + 1)) == 0) {
-              return "must be FIRST:COUNT or COUNT, with COUNT > 0";
+            // What a worker would refuse in TORCHRPC_TRACE_STEPS is refused
+            // here, before any worker starts.
+            if (!rpc::parseTraceSteps(value)) {
+              return std::string("must be ") + rpc::kTraceStepsSyntax;
             }
             return "";
           },

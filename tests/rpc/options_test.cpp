@@ -1,0 +1,166 @@
+// Options::fromEnvironment() for the variables that let a job be observed
+// (README "Observing a job"): each sets its field exactly, and a malformed
+// value is a c10::Error naming the variable and the value. The launcher's
+// identity variables are launch_environment_test.cpp's.
+
+#include <gtest/gtest.h>
+
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <tuple>
+
+#include "tests/support/scoped_env.h"
+#include "torchrpc/rpc/options.h"
+
+namespace torchrpc {
+namespace {
+
+// The message of the c10::Error that reading the environment throws.
+std::string errorOfFromEnvironment() {
+  try {
+    rpc::Options::fromEnvironment();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "no error";
+}
+
+void expectRefusedNaming(const char* variable, const char* value) {
+  ::setenv(variable, value, 1);
+  std::string message = errorOfFromEnvironment();
+  EXPECT_NE(message.find(variable), std::string::npos)
+      << "'" << value << "': " << message;
+  EXPECT_NE(message.find("'" + std::string(value) + "'"), std::string::npos)
+      << "'" << value << "': " << message;
+}
+
+class OptionsFromEnvironment : public ::testing::Test {
+ protected:
+  testing::ScopedLauncherEnv launcher_;
+  testing::ScopedEnv observability_{
+      "TORCHRPC_TRACE_DIR",
+      "TORCHRPC_TRACE_STEPS",
+      "TORCHRPC_TRACE_MAX_EVENTS",
+      "TORCHRPC_METRICS_ADDR"};
+};
+
+TEST_F(OptionsFromEnvironment, TraceDirectoryIsTheVariableAsGiven) {
+  EXPECT_EQ(rpc::Options::fromEnvironment().traceDirectory, "");
+  ::setenv("TORCHRPC_TRACE_DIR", "/tmp/a job's traces", 1);
+  EXPECT_EQ(
+      rpc::Options::fromEnvironment().traceDirectory,
+      "/tmp/a job's traces");
+  // Empty is unset, as for every variable: no tracing.
+  ::setenv("TORCHRPC_TRACE_DIR", "", 1);
+  EXPECT_EQ(rpc::Options::fromEnvironment().traceDirectory, "");
+}
+
+TEST_F(OptionsFromEnvironment, TraceStepsAreFirstColonCountOrCount) {
+  rpc::Options options = rpc::Options::fromEnvironment();
+  EXPECT_EQ(options.traceFirstStep, 0);
+  EXPECT_EQ(options.traceStepCount, 0);
+  for (auto [text, first, count] :
+       {std::tuple<const char*, int64_t, int64_t>{"10:2", 10, 2},
+        {"0:1", 0, 1},
+        {"7", 0, 7},
+        {"007:010", 7, 10},
+        {"123456789012:345678901234", 123456789012, 345678901234}}) {
+    ::setenv("TORCHRPC_TRACE_STEPS", text, 1);
+    options = rpc::Options::fromEnvironment();
+    EXPECT_EQ(options.traceFirstStep, first) << text;
+    EXPECT_EQ(options.traceStepCount, count) << text;
+  }
+}
+
+TEST_F(
+    OptionsFromEnvironment,
+    MalformedTraceStepsAreRefusedNamingTheVariableAndValue) {
+  for (const char* text :
+       {"x", "2:0", "0", "-1:2", ":3", "3:", ":", "1:2:3", "1.5", "2:x"}) {
+    expectRefusedNaming("TORCHRPC_TRACE_STEPS", text);
+  }
+}
+
+// A window the Tracer could not hold (Tracer::traceSteps needs first +
+// count in an int64) is refused here, naming the variable, and not later
+// by the DistributedOptimizer that arms the window. The launcher's
+// --trace-steps refuses the same values (rpc/trace_steps.h).
+TEST_F(OptionsFromEnvironment, TraceStepsBeyondInt64AreRefusedWhenRead) {
+  ::setenv("TORCHRPC_TRACE_STEPS", "99999999999999999999:1", 1);
+  EXPECT_EQ(
+      errorOfFromEnvironment(),
+      "TORCHRPC_TRACE_STEPS must be FIRST:COUNT, or COUNT for FIRST 0, in "
+      "decimal digits, with COUNT > 0 and FIRST + COUNT at most 2^63 - 1, "
+      "got '99999999999999999999:1'");
+  for (const char* text :
+       {"1:99999999999999999999",
+        "9223372036854775808",
+        "1:9223372036854775807",
+        "9223372036854775807:1",
+        "+5",
+        " 5",
+        "1: 2"}) {
+    expectRefusedNaming("TORCHRPC_TRACE_STEPS", text);
+  }
+  // The largest windows there are.
+  ::setenv("TORCHRPC_TRACE_STEPS", "9223372036854775806:1", 1);
+  rpc::Options options = rpc::Options::fromEnvironment();
+  EXPECT_EQ(options.traceFirstStep, 9223372036854775806);
+  EXPECT_EQ(options.traceStepCount, 1);
+  ::setenv("TORCHRPC_TRACE_STEPS", "9223372036854775807", 1);
+  options = rpc::Options::fromEnvironment();
+  EXPECT_EQ(options.traceFirstStep, 0);
+  EXPECT_EQ(options.traceStepCount, 9223372036854775807);
+}
+
+TEST_F(OptionsFromEnvironment, TraceMaxEventsIsAnEventCount) {
+  EXPECT_EQ(rpc::Options::fromEnvironment().traceMaxEvents, 1000000u);
+  ::setenv("TORCHRPC_TRACE_MAX_EVENTS", "2500", 1);
+  EXPECT_EQ(rpc::Options::fromEnvironment().traceMaxEvents, 2500u);
+  ::setenv("TORCHRPC_TRACE_MAX_EVENTS", "0", 1);
+  EXPECT_EQ(rpc::Options::fromEnvironment().traceMaxEvents, 0u);
+}
+
+TEST_F(
+    OptionsFromEnvironment,
+    MalformedTraceMaxEventsAreRefusedNamingTheVariableAndValue) {
+  ::setenv("TORCHRPC_TRACE_MAX_EVENTS", "many", 1);
+  EXPECT_EQ(
+      errorOfFromEnvironment(),
+      "environment variable TORCHRPC_TRACE_MAX_EVENTS must be an integer, "
+      "got 'many'");
+  ::setenv("TORCHRPC_TRACE_MAX_EVENTS", "-1", 1);
+  EXPECT_EQ(
+      errorOfFromEnvironment(),
+      "TORCHRPC_TRACE_MAX_EVENTS must not be negative, got '-1'");
+  for (const char* text : {"1e6", "12 ", "0x10"}) {
+    expectRefusedNaming("TORCHRPC_TRACE_MAX_EVENTS", text);
+  }
+  // strtoll would clamp it to 2^63 - 1, which is no cap at all.
+  ::setenv("TORCHRPC_TRACE_MAX_EVENTS", "99999999999999999999", 1);
+  EXPECT_EQ(
+      errorOfFromEnvironment(),
+      "environment variable TORCHRPC_TRACE_MAX_EVENTS must be an integer "
+      "that fits in 64 bits, got '99999999999999999999'");
+}
+
+// A malformed address is refused when the Runtime is made, naming
+// Options::metricsAddress and TORCHRPC_METRICS_ADDR (metrics_test.cpp,
+// MetricsEndpointTest.AMalformedAddressIsRefusedNamingTheOption): the
+// Runtime checks the field however it was set.
+TEST_F(OptionsFromEnvironment, MetricsAddressIsTheVariableAsGiven) {
+  EXPECT_EQ(rpc::Options::fromEnvironment().metricsAddress, "");
+  for (const char* address :
+       {"127.0.0.1:9100", "0.0.0.0:0", "worker-3.example:9101"}) {
+    ::setenv("TORCHRPC_METRICS_ADDR", address, 1);
+    EXPECT_EQ(rpc::Options::fromEnvironment().metricsAddress, address);
+  }
+  ::setenv("TORCHRPC_METRICS_ADDR", "", 1);
+  EXPECT_EQ(rpc::Options::fromEnvironment().metricsAddress, "");
+}
+
+} // namespace
+} // namespace torchrpc
