@@ -174,9 +174,9 @@ struct Options {
   // TORCHRPC_TRANSPORT ("tcp", "tensorpipe", "tensorpipe-shm"),
   // TORCHRPC_SHARED_SECRET, TORCHRPC_PEER_TIMEOUT_MS,
   // TORCHRPC_RENDEZVOUS_TIMEOUT_MS, TORCHRPC_STORE_LISTEN_ADDR,
-  // TORCHRPC_TRACE_DIR, TORCHRPC_TRACE_STEPS ("first:count" or "count",
-  // rpc/trace_steps.h), TORCHRPC_TRACE_MAX_EVENTS, TORCHRPC_METRICS_ADDR
-  // and TORCHRPC_HANG_REPORT_SIGNAL ("USR1", "USR2", or empty). With no
+  // TORCHRPC_TRACE_DIR, TORCHRPC_TRACE_STEPS ("first:count"),
+  // TORCHRPC_TRACE_MAX_EVENTS, TORCHRPC_METRICS_ADDR and
+  // TORCHRPC_HANG_REPORT_SIGNAL ("USR1", "USR2", or empty). With no
   // launcher's variables, rank 0 of 1. Throws c10::Error naming the variable
   // (and launcher) that is missing or malformed.
   static Options fromEnvironment();
