@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "tests/support/child_processes.h"
+#include "tests/support/eventually.h"
 #include "tests/support/gate.h"
 #include "tests/support/http_client.h"
 #include "tests/support/local_cluster.h"
@@ -267,8 +268,40 @@ TEST_P(MetricsTest, PendingCallsShowInMetricsAndHangReports) {
       << gathered;
   EXPECT_THROW(callee.gatherHangReport(0ms), c10::Error);
 
+  // Calls that arrive meanwhile wait for the one pool thread: each is one
+  // queued request and one queued pool task on the callee, and nothing
+  // queues on the caller, which takes their replies later.
+  EXPECT_EQ(s.requestsQueued, 0u);
+  EXPECT_EQ(s.threadPool.queued, 0u);
+  constexpr uint64_t kQueued = 3;
+  std::vector<rpc::Future<int64_t>> queued;
+  for (uint64_t i = 0; i < kQueued; ++i) {
+    queued.push_back(caller.withTimeout(30s).rpcAsync<int64_t>(
+        "worker1",
+        "add",
+        static_cast<int64_t>(i),
+        int64_t{1}));
+  }
+  EXPECT_TRUE(testing::eventually(
+      [&]() { return callee.metrics().requestsQueued >= kQueued; }));
+  s = callee.metrics();
+  EXPECT_EQ(s.requestsQueued, kQueued);
+  EXPECT_EQ(s.threadPool.queued, kQueued);
+  EXPECT_EQ(s.requestsRunning, 1u);
+  EXPECT_EQ(s.threadPool.busy, 1u);
+  m = caller.metrics();
+  EXPECT_EQ(m.requestsQueued, 0u);
+  EXPECT_EQ(m.pendingCalls, 1 + kQueued);
+
   gate_.open();
   EXPECT_TRUE(blocked.wait());
+  for (uint64_t i = 0; i < kQueued; ++i) {
+    EXPECT_EQ(queued[i].wait(), static_cast<int64_t>(i) + 1);
+  }
+  // Each request left the queue before its handler answered it.
+  s = callee.metrics();
+  EXPECT_EQ(s.requestsQueued, 0u);
+  EXPECT_EQ(s.threadPool.queued, 0u);
   EXPECT_NE(caller.hangReport().find("waits for nothing"), std::string::npos);
   EXPECT_TRUE(c->shutdownAll());
 }
