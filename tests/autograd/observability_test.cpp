@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -61,6 +62,35 @@ void setup(int, rpc::Runtime& rt) {
     return x * factor;
   });
   rt.functions().add("stall", [](at::Tensor x) { return Stall::apply(x); });
+}
+
+// The figures `rt` reports for `layer`; empty if it reports none.
+std::map<std::string, double> layerValues(
+    rpc::Runtime& rt,
+    const std::string& layer) {
+  std::map<std::string, double> values;
+  for (const auto& reported : rt.metrics().layers) {
+    if (reported.layer == layer) {
+      for (const auto& value : reported.values) {
+        values[value.name] = value.value;
+      }
+    }
+  }
+  return values;
+}
+
+// One figure of `layer` on `rt`; NaN, and a failure, if it is not reported.
+double layerValue(
+    rpc::Runtime& rt,
+    const std::string& layer,
+    const std::string& name) {
+  auto values = layerValues(rt, layer);
+  auto it = values.find(name);
+  if (it == values.end()) {
+    ADD_FAILURE() << rt.self().name << " reports no " << layer << " " << name;
+    return std::nan("");
+  }
+  return it->second;
 }
 
 // Every node an edge names is declared, braces balance, and the clusters
@@ -208,6 +238,9 @@ TEST(GraphDumpTest, AHangReportNamesTheGradientsAPassWaitsFor) {
   auto pass =
       std::async(std::launch::async, [&]() { context.backward({loss}); });
   ASSERT_TRUE(gate.waitForWaiting(1));
+  // The pass runs on both: driven on worker0, worker1's part held.
+  EXPECT_EQ(layerValue(driver, "autograd", "passes"), 1);
+  EXPECT_EQ(layerValue(cluster[1], "autograd", "passes"), 1);
   std::string report = driver.gatherHangReport(std::chrono::seconds(5));
   // The driver's pass waits for the gradients of the result worker1 sent.
   EXPECT_TRUE(std::regex_search(
@@ -228,6 +261,10 @@ TEST(GraphDumpTest, AHangReportNamesTheGradientsAPassWaitsFor) {
   gate.open();
   pass.get();
   EXPECT_TRUE(at::equal(context.gradients().at(w), at::ones({2})));
+  // worker1 let its part go before it answered; the driver before it
+  // returned.
+  EXPECT_EQ(layerValue(driver, "autograd", "passes"), 0);
+  EXPECT_EQ(layerValue(cluster[1], "autograd", "passes"), 0);
   stallGate = nullptr;
 }
 
@@ -269,6 +306,9 @@ TEST(GraphDumpTest, ADeadlineErrorCarriesWhatEachWorkerWaitedFor) {
         << text;
     testing::expectNoBacktrace(text, 4096);
   }
+  // Aborted, the pass is gone from both, though worker1's node still runs.
+  EXPECT_EQ(layerValue(driver, "autograd", "passes"), 0);
+  EXPECT_EQ(layerValue(cluster[1], "autograd", "passes"), 0);
   gate.open();
   stallGate = nullptr;
 }
@@ -279,22 +319,13 @@ TEST(GraphDumpTest, TheLayerReportsItsTables) {
   auto w = at::ones({2}).requires_grad_();
   Context context(driver);
   driver.rpcSync<at::Tensor>("worker1", "scale", w, 2.0);
-  for (const auto& layer : cluster[1].metrics().layers) {
-    if (layer.layer != "autograd") {
-      continue;
-    }
-    std::map<std::string, double> values;
-    for (const auto& value : layer.values) {
-      values[value.name] = value.value;
-    }
-    EXPECT_EQ(values.at("contexts"), 1);
-    // w arrived; 2w, which requires grad too, went back.
-    EXPECT_EQ(values.at("recv_functions"), 1);
-    EXPECT_EQ(values.at("send_functions"), 1);
-    EXPECT_EQ(values.at("passes"), 0);
-    return;
-  }
-  ADD_FAILURE() << "no autograd layer in the metrics";
+  std::map<std::string, double> values = layerValues(cluster[1], "autograd");
+  ASSERT_FALSE(values.empty()) << "no autograd layer in the metrics";
+  EXPECT_EQ(values.at("contexts"), 1);
+  // w arrived; 2w, which requires grad too, went back.
+  EXPECT_EQ(values.at("recv_functions"), 1);
+  EXPECT_EQ(values.at("send_functions"), 1);
+  EXPECT_EQ(values.at("passes"), 0);
 }
 
 } // namespace
