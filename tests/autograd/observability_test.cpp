@@ -10,7 +10,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -23,6 +22,7 @@
 #include <vector>
 
 #include "tests/support/gate.h"
+#include "tests/support/layer_values.h"
 #include "tests/support/local_cluster.h"
 #include "torchrpc/autograd/backward.h"
 #include "torchrpc/autograd/context.h"
@@ -36,6 +36,8 @@ namespace autograd {
 namespace {
 
 using testing::Gate;
+using testing::layerValue;
+using testing::layerValues;
 using testing::LocalCluster;
 using testing::OpenOnExit;
 
@@ -62,35 +64,6 @@ void setup(int, rpc::Runtime& rt) {
     return x * factor;
   });
   rt.functions().add("stall", [](at::Tensor x) { return Stall::apply(x); });
-}
-
-// The figures `rt` reports for `layer`; empty if it reports none.
-std::map<std::string, double> layerValues(
-    rpc::Runtime& rt,
-    const std::string& layer) {
-  std::map<std::string, double> values;
-  for (const auto& reported : rt.metrics().layers) {
-    if (reported.layer == layer) {
-      for (const auto& value : reported.values) {
-        values[value.name] = value.value;
-      }
-    }
-  }
-  return values;
-}
-
-// One figure of `layer` on `rt`; NaN, and a failure, if it is not reported.
-double layerValue(
-    rpc::Runtime& rt,
-    const std::string& layer,
-    const std::string& name) {
-  auto values = layerValues(rt, layer);
-  auto it = values.find(name);
-  if (it == values.end()) {
-    ADD_FAILURE() << rt.self().name << " reports no " << layer << " " << name;
-    return std::nan("");
-  }
-  return it->second;
 }
 
 // Every node an edge names is declared, braces balance, and the clusters
