@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/support/layer_values.h"
 #include "tests/support/rref_cluster.h"
 #include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
 #include "torchrpc/rpc/wire/envelope.h"
@@ -307,7 +308,10 @@ TEST_F(RRefProtocol, ADeletionBeforeTheCreationCancelsIt) {
       {"worker1", "slow_make"});
   r = RRef<at::Tensor>();
   ASSERT_TRUE(waitUntil([&]() { return counters(1).tombstones == 1; }));
+  // The metrics say so too (the kRemote is still on its way).
+  EXPECT_EQ(layerValue(rt(1), "rref", "tombstones"), 1);
   EXPECT_TRUE(cluster_->waitForEmptyTables());
+  EXPECT_EQ(layerValue(rt(1), "rref", "tombstones"), 0);
   EXPECT_EQ(workers_.slowMakeRuns.load(), 0);
 }
 
