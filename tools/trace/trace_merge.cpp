@@ -238,6 +238,19 @@ std::vector<std::string> checkFailures(const MergeReport& report) {
   }
   std::vector<std::string> failures;
   for (const auto& sides : report.index.calls) {
+    if (sides.client) {
+      // A call that got no reply failed, and its caller says with what
+      // (tools/trace/README.md, "RPC spans"): with neither, the reply is
+      // missing from the trace.
+      const auto& trace = report.traces[sides.client->worker];
+      const auto& span = trace.clientSpans[sides.client->span];
+      if (!span.tReply && !span.error) {
+        failures.push_back(
+            "call " + sides.call + ": " + trace.worker + "'s call to " +
+            span.to + " (fn " + span.fn +
+            ") has neither a reply (t_reply) nor an error");
+      }
+    }
     if (sides.client && !sides.server) {
       const auto& trace = report.traces[sides.client->worker];
       const auto& span = trace.clientSpans[sides.client->span];

@@ -71,6 +71,16 @@ class EventReader {
     return it->get<std::string>();
   }
 
+  std::optional<std::string> optionalString(
+      const json& object,
+      const char* key,
+      const char* path) const {
+    if (object.find(key) == object.end()) {
+      return std::nullopt;
+    }
+    return string(object, key, path);
+  }
+
   EventRef ref() const {
     EventRef r;
     r.event = index_;
@@ -138,6 +148,7 @@ void readEvent(WorkerTrace& trace, std::size_t index) {
       span.fn = reader.string(*args, "fn", "args.fn");
       span.tSend = reader.number(*args, "t_send", "args.t_send");
       span.tReply = reader.optionalNumber(*args, "t_reply", "args.t_reply");
+      span.error = reader.optionalString(*args, "error", "args.error");
       trace.clientSpans.push_back(std::move(span));
     } else {
       ServerSpan span;

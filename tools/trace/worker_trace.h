@@ -34,6 +34,9 @@ struct ClientSpan {
   std::string fn;
   double tSend = 0;
   std::optional<double> tReply; // absent when no reply came
+  // The error the call failed with (args.error); absent when it succeeded.
+  // A call without a reply failed, so one of the two must be there.
+  std::optional<std::string> error;
 };
 
 // The callee's span of one RPC (cat "rpc.server").

@@ -96,6 +96,26 @@ TEST(TraceMergeCli, CheckFailsNamingTheUnmatchedCall) {
   EXPECT_EQ(runTool({"-o", merged, dir.path()}).status, kExitOk);
 }
 
+TEST(TraceMergeCli, CheckFailsOnACallWithNeitherReplyNorError) {
+  TempDir dir;
+  SyntheticJob job = twoWorkers();
+  CallOptions noReply;
+  noReply.replyArrives = false;
+  noReply.clientError = "";
+  std::string call = job.call(1, 0, 3000, 40, 50, 40, noReply).id;
+  job.writeFiles(dir.path());
+  ToolRun r = runTool({"--check", dir.path()});
+  EXPECT_EQ(r.status, kExitCheckFailed);
+  EXPECT_NE(r.err.find("check failed: 1 problem"), std::string::npos) << r.err;
+  EXPECT_NE(
+      r.err.find(
+          "call " + call +
+          ": trainer0's call to ps0 (fn fn2) has neither a reply (t_reply) "
+          "nor an error"),
+      std::string::npos)
+      << r.err;
+}
+
 TEST(TraceMergeCli, CheckFailsOnMessagesOutOfOrder) {
   TempDir dir;
   SyntheticJob job = twoWorkers();

@@ -39,6 +39,9 @@ struct CallOptions {
   bool replyArrives = true;
   bool writeClientSide = true; // false: as if the caller's trace lost it
   bool writeServerSide = true;
+  // What the caller writes as args.error when no reply arrived, as the
+  // library does; empty: nothing (a writer that lost the reply).
+  std::string clientError = "timeout";
   int clientTid = 1; // 2 for a call made from inside a handler
   // Added to the t_recv the callee writes: a corrupt file.
   double corruptRecvUs = 0;
@@ -113,6 +116,8 @@ class SyntheticJob {
           {"t_send", local(caller, c.send)}};
       if (c.replyArrived) {
         args["t_reply"] = local(caller, c.reply);
+      } else if (!options.clientError.empty()) {
+        args["error"] = options.clientError;
       }
       double end = c.replyArrived ? c.reply + 2 : c.send + 5;
       span(

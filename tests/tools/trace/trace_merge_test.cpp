@@ -535,7 +535,8 @@ TEST(TraceMerge, CheckIgnoresCallsThatNeverGotAReply) {
   job.addWorker("ps0", 0, 0);
   job.addWorker("trainer0", 1, 5e6);
   job.call(1, 0, 100, 40, 50, 40);
-  // Lost on the way: the caller saw no reply and the callee no request.
+  // Lost on the way: the caller saw no reply (its span says the call timed
+  // out) and the callee no request.
   CallOptions lost;
   lost.writeServerSide = false;
   lost.replyArrives = false;
@@ -550,6 +551,38 @@ TEST(TraceMerge, CheckIgnoresCallsThatNeverGotAReply) {
   EXPECT_EQ(report.clientOnly().size(), 1u);
   EXPECT_EQ(report.serverOnly().size(), 1u);
   EXPECT_TRUE(checkFailures(report).empty());
+}
+
+// A caller span without t_reply must say what the call failed with: with
+// neither, the trace lost the reply, whether or not the callee's side is
+// there.
+TEST(TraceMerge, CheckFailsOnACallerSpanWithNeitherReplyNorError) {
+  SyntheticJob job;
+  job.addWorker("ps0", 0, 0);
+  job.addWorker("trainer0", 1, 5e6);
+  job.call(1, 0, 100, 40, 50, 40);
+  CallOptions timedOut; // the reply came too late: "timeout"
+  timedOut.replyArrives = false;
+  job.call(1, 0, 1000, 40, 50, 40, timedOut);
+  CallOptions noReply = timedOut;
+  noReply.clientError = "";
+  std::string answered = job.call(1, 0, 2000, 40, 50, 40, noReply).id;
+  noReply.writeServerSide = false;
+  std::string lost = job.call(0, 1, 3000, 40, 50, 40, noReply).id;
+
+  MergeReport report = mergeTraces(job.traces());
+  ASSERT_EQ(report.traces[1].clientSpans.size(), 3u);
+  EXPECT_EQ(report.traces[1].clientSpans[1].error, "timeout");
+  auto failures = checkFailures(report);
+  EXPECT_EQ(
+      failures,
+      (std::vector<std::string>{
+          "call " + lost +
+              ": ps0's call to trainer0 (fn fn0) has neither a reply "
+              "(t_reply) nor an error",
+          "call " + answered +
+              ": trainer0's call to ps0 (fn fn2) has neither a reply "
+              "(t_reply) nor an error"}));
 }
 
 TEST(TraceMerge, RefusesTwoFilesOfOneWorkerNamingBoth) {

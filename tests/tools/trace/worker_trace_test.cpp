@@ -57,6 +57,7 @@ TEST(WorkerTrace, ReadsTheContract) {
   EXPECT_EQ(trace.clientSpans[0].call, "trainer0#1");
   EXPECT_EQ(trace.clientSpans[0].to, "ps0");
   EXPECT_TRUE(trace.clientSpans[0].tReply);
+  EXPECT_FALSE(trace.clientSpans[0].error);
   EXPECT_EQ(trace.flowOuts.size(), 1u);
   EXPECT_TRUE(trace.serverSpans.empty());
 }
@@ -163,6 +164,9 @@ TEST(WorkerTrace, MalformedEvents) {
   doc = validDocument();
   doc["traceEvents"].push_back({{"name", "x"}});
   EXPECT_NAMES(errorOf(doc.dump()), "ph missing");
+  doc = validDocument();
+  firstOf(doc, "rpc.client")["args"]["error"] = 4;
+  EXPECT_NAMES(errorOf(doc.dump()), "args.error is not a non-empty string");
   doc = validDocument();
   firstOf(doc, "autograd")["args"]["flow_out"] = 7;
   EXPECT_NAMES(errorOf(doc.dump()), "args.flow_out is not a non-empty string");
