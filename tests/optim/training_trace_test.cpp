@@ -156,6 +156,13 @@ TEST_P(TrainingTraceTest, ATracedStepMergesIntoOneConsistentTimeline) {
     }
     EXPECT_EQ(nodes, expectedNodes);
     EXPECT_EQ(flows, expectedFlows);
+    // Every request this worker made had its reply: nothing failed.
+    auto calls = spans(worker, "rpc.client");
+    EXPECT_FALSE(calls.empty());
+    for (const auto& span : calls) {
+      EXPECT_TRUE(span.at("args").contains("t_reply")) << span.dump();
+      EXPECT_FALSE(span.at("args").contains("error")) << span.dump();
+    }
     if (rank > 0) {
       // Each owner stepped its parameters once per step.
       auto owned = spans(worker, "optim");
