@@ -1432,6 +1432,8 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     if (replyArrived) {
       args.emplace_back("t_reply", Tracer::micros(*replyArrived));
     }
+    // NB: a call without a reply always failed, and the contract requires
+    // error then (tools/trace/README.md, "RPC spans"; --check holds to it).
     if (code != ErrorCode::kOk) {
       args.emplace_back("error", std::string(errorCodeName(code)));
     }
