@@ -35,12 +35,17 @@ namespace detail {
 // a thread that just woke up. After the back-off, spinners probe again.
 // Measured on the 2-vCPU machine, four threads yielding for 3 s: quiet,
 // 12 yields over 500 us (in each of two runs) and none over 2 ms; with one
-// busy process per core, 2,427 over 2 ms. The state is per process on purpose:
+// busy process per core, 2,427 over 2 ms. So the threshold is 2 ms: at
+// 500 us, about half of the quiet round-trip runs backed off again and
+// again and took 45-53 us instead of 18 (5,500 context switches a run
+// instead of 260), while with busy processes 2 ms still backs off (round
+// trip 26-34 us, against 8 ms without the back-off; bench/RESULTS.md).
+// The state is per process on purpose:
 // whether the machine's CPUs are contended is not a property of one
 // transport or one runtime.
 
 // A yield longer than this may mean the CPU was wanted by someone else...
-constexpr std::chrono::microseconds kContendedYield{500};
+constexpr std::chrono::microseconds kContendedYield{2000};
 // ... and two of them this close together say it was.
 constexpr std::chrono::milliseconds kContendedWindow{20};
 // How long the process stops spinning then.
