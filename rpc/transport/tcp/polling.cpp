@@ -192,12 +192,22 @@ void IoPolling::endDriving(bool answered) {
 
 void IoPolling::closeToDrivers() {
   closedToDrivers_.store(true);
-  const auto deadline = Clock::now() + std::chrono::seconds(10);
-  while (drivesRunning_.load() > 0 && Clock::now() < deadline) {
-    std::this_thread::yield();
+  {
+    std::lock_guard<std::mutex> lock(standByMutex_);
+    standByCv_.notify_all();
   }
-  std::lock_guard<std::mutex> lock(standByMutex_);
-  standByCv_.notify_all();
+  // A drive step runs ready handlers only, which must not block: this is
+  // microseconds, unless a handler broke that rule.
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  while (drivesRunning_.load() > 0) {
+    if (Clock::now() > deadline) {
+      TORCHRPC_LOG(kWarning)
+          << "TcpTransport: a thread waiting for a reply has run one of its "
+          << "handlers for 10 s; closing without it";
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
 }
 
 bool PollingSlot::take() {
