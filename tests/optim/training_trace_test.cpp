@@ -19,6 +19,7 @@
 
 #include "tests/support/local_cluster.h"
 #include "tests/support/split_model.h"
+#include "tests/support/trace_files.h"
 #include "tests/support/transport_names.h"
 #include "tests/tools/trace/temp_dir.h"
 #include "tools/trace/trace_merge.h"
@@ -36,14 +37,6 @@ using split::LocalModel;
 using trace::testing::TempDir;
 
 constexpr int kWorkers = 3;
-
-json readWorker(const std::string& directory, int rank) {
-  std::ifstream file(
-      directory + "/worker" + std::to_string(rank) + ".trace.json");
-  std::stringstream text;
-  text << file.rdbuf();
-  return json::parse(text.str());
-}
 
 std::vector<json> spans(const json& document, const std::string& cat) {
   std::vector<json> out;
@@ -104,7 +97,7 @@ TEST_P(TrainingTraceTest, ATracedStepMergesIntoOneConsistentTimeline) {
     EXPECT_TRUE(cluster.shutdownAll());
   }
 
-  json driver = readWorker(dir.path(), 0);
+  json driver = readWorkerTraceJson(dir.path(), 0);
   // The driver's passes, one per step, by (context, pass).
   EXPECT_EQ(spans(driver, "autograd.pass").size(), static_cast<size_t>(kSteps));
   std::set<std::pair<int64_t, int64_t>> passes;
@@ -134,7 +127,7 @@ TEST_P(TrainingTraceTest, ATracedStepMergesIntoOneConsistentTimeline) {
       {1, 1}};
   for (int rank = 0; rank < kWorkers; ++rank) {
     SCOPED_TRACE("rank " + std::to_string(rank));
-    json worker = rank == 0 ? driver : readWorker(dir.path(), rank);
+    json worker = rank == 0 ? driver : readWorkerTraceJson(dir.path(), rank);
     std::map<std::pair<int64_t, int64_t>, Names> nodes;
     for (const auto& span : spans(worker, "autograd")) {
       nodes[{span.at("args").at("context"), span.at("args").at("pass")}].insert(
@@ -213,12 +206,12 @@ TEST_P(TrainingTraceWindowTest, AWindowTracesOneStepOnEveryWorker) {
     }
     EXPECT_TRUE(cluster.shutdownAll());
   }
-  json driver = readWorker(dir.path(), 0);
+  json driver = readWorkerTraceJson(dir.path(), 0);
   EXPECT_EQ(spans(driver, "autograd.pass").size(), 1u);
   EXPECT_EQ(spans(driver, "optim").size(), 1u);
   for (int rank = 1; rank < kWorkers; ++rank) {
     // The owners count no steps; they followed the window's requests.
-    EXPECT_EQ(spans(readWorker(dir.path(), rank), "optim").size(), 1u)
+    EXPECT_EQ(spans(readWorkerTraceJson(dir.path(), rank), "optim").size(), 1u)
         << "rank " << rank;
   }
   trace::MergeReport report = merge(dir.path());

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "tests/support/rref_cluster.h"
+#include "tests/support/trace_files.h"
 #include "tests/tools/trace/temp_dir.h"
 #include "tools/trace/trace_merge.h"
 #include "tools/trace/worker_trace.h"
@@ -31,14 +32,6 @@ using rref::RRef;
 using trace::testing::TempDir;
 
 constexpr int kWorkers = 3;
-
-json readWorker(const std::string& directory, int rank) {
-  std::ifstream file(
-      directory + "/worker" + std::to_string(rank) + ".trace.json");
-  std::stringstream text;
-  text << file.rdbuf();
-  return json::parse(text.str());
-}
 
 // One end of a call: the worker whose file has it, and the span.
 struct End {
@@ -86,7 +79,7 @@ TEST_P(RRefTracing, EveryRRefMessageHasItsSpanOnBothEnds) {
   std::map<std::string, End> servers;
   for (int rank = 0; rank < kWorkers; ++rank) {
     const std::string worker = "worker" + std::to_string(rank);
-    const json document = readWorker(dir.path(), rank);
+    const json document = readWorkerTraceJson(dir.path(), rank);
     for (const auto& event : document.at("traceEvents")) {
       std::string cat = event.value("cat", "");
       if (cat == "rpc.client" || cat == "rpc.server") {
