@@ -317,6 +317,10 @@ void TcpConnectionImpl::enqueue(OutFrame frame, bool isData) {
   bool failedAlready = false;
   bool mustWait = false;
   int writeErrno = 0;
+  // Sent from this connection's own read loop while it parses a read: the
+  // loop writes it with the rest (uncorkFromLoop). corked_ is read on the
+  // strand only.
+  const bool corked = strand_.running_in_this_thread() && corked_;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (failed_) {
@@ -328,7 +332,7 @@ void TcpConnectionImpl::enqueue(OutFrame frame, bool isData) {
       return;
     } else {
       queue_.push_back(std::move(frame));
-      if (!waitingWritable_) {
+      if (!waitingWritable_ && !corked) {
         writeErrno = flushOrAwaitLocked(completed, &mustWait);
       }
     }

@@ -68,7 +68,10 @@ std::string endpointString(const boost::asio::ip::tcp::endpoint& endpoint);
 // the handshake passed, enough for one handshake frame before) and parses
 // every complete part in it, in a loop, before it reads again: a one-
 // element call costs one read, and a read that brings forty replies
-// delivers forty. Only a part whose missing bytes are large (at least
+// delivers forty. Frames that the handlers send back on the same
+// connection meanwhile (replies of cheap functions, acks) wait until the
+// read is parsed and then go out in one write, so forty replies cost one
+// sendmsg too. Only a part whose missing bytes are large (at least
 // kDirectReadBytes) is read straight into its destination, so a big
 // tensor still lands in its storage without a copy, while a small one is
 // copied out of the buffer (counted as copied, not zero-copy, bytes).
@@ -179,6 +182,10 @@ class TcpConnectionImpl
   // The buffer is empty and fill_ is not full: reads into the buffer, or
   // straight into the destinations when what is missing is large.
   void startSocketReadFromLoop();
+  // Writes what was sent on this connection from its own read loop while
+  // corked_ (Note [Buffered frame reads]: the replies to one read's
+  // requests go out in one write).
+  void uncorkFromLoop();
   void onBufferedReadFromLoop(const AsioError& ec, size_t bytes);
   void onDirectReadFromLoop(const AsioError& ec);
   void readFrameHeaderFromLoop();
@@ -270,6 +277,9 @@ class TcpConnectionImpl
   uint64_t fillCopiedTensorBytes_ = 0;
   ReadStep fillThen_ = nullptr;
   bool drivingReads_ = false;
+  // Frames sent from this strand while it parses a read wait in queue_
+  // until the read is parsed (uncorkFromLoop).
+  bool corked_ = false;
 
   mutable std::mutex mutex_;
   std::string describe_;

@@ -68,9 +68,12 @@ void TcpConnectionImpl::fillThenFromLoop(ReadStep then) {
 void TcpConnectionImpl::driveReadsFromLoop() {
   TORCHRPC_ASSERT_IN_LOOP();
   drivingReads_ = true;
+  corked_ = true;
   while (fillThen_ != nullptr) {
     drainReadBufferFromLoop();
     if (fillIndex_ < fill_.size()) {
+      // What the parsed frames answered goes out before waiting for more.
+      uncorkFromLoop();
       startSocketReadFromLoop();
       break;
     }
@@ -79,7 +82,30 @@ void TcpConnectionImpl::driveReadsFromLoop() {
     ReadStep step = std::exchange(fillThen_, nullptr);
     (this->*step)();
   }
+  uncorkFromLoop();
   drivingReads_ = false;
+}
+
+void TcpConnectionImpl::uncorkFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  if (!corked_) {
+    return;
+  }
+  corked_ = false;
+  std::vector<OutFrame> completed;
+  int writeErrno = 0;
+  bool mustWait = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failed_ || queue_.empty() || waitingWritable_) {
+      return; // nothing held back, or writability will flush it
+    }
+    writeErrno = flushOrAwaitLocked(completed, &mustWait);
+  }
+  if (mustWait) {
+    awaitWritableFromLoop();
+  }
+  finishWrites(completed, writeErrno);
 }
 
 void TcpConnectionImpl::drainReadBufferFromLoop() {

@@ -7,8 +7,10 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <vector>
@@ -186,6 +188,65 @@ TEST_F(TcpBufferedReadsTest, SmallTensorsAloneAreCountedAsCopied) {
   const auto after = server_->stats();
   EXPECT_EQ(after.copiedBytes - before.copiedBytes, small.nbytes());
   EXPECT_EQ(after.zeroCopyBytes - before.zeroCopyBytes, 0u);
+}
+
+TEST(TcpBufferedReads, RepliesSentWhileAReadIsParsedGoOutTogetherAfterIt) {
+  detail::TcpTransport server(testOptions("server"));
+  detail::TcpTransport client(testOptions("client"));
+  // The server answers every message from its read callback, as a cheap
+  // function's reply is sent, and notes whether the reply was written
+  // (its done ran) before the callback returned.
+  std::atomic<int> writtenInsideCallback{0};
+  std::atomic<int> written{0};
+  std::vector<std::shared_ptr<Connection>> accepted;
+  std::mutex acceptedMutex;
+  server.listen([&](std::shared_ptr<Connection> connection) {
+    std::weak_ptr<Connection> weak = connection;
+    connection->start(
+        [&, weak](Message&& message) {
+          auto self = weak.lock();
+          if (!self) {
+            return;
+          }
+          auto inside = std::make_shared<std::atomic<bool>>(true);
+          self->send(
+              makeMessage("re: " + message.header),
+              [&, inside](const TransportError* error) {
+                if (error == nullptr) {
+                  written.fetch_add(1);
+                  if (inside->load()) {
+                    writtenInsideCallback.fetch_add(1);
+                  }
+                }
+              });
+          inside->store(false);
+        },
+        [](const TransportError&) {});
+    std::lock_guard<std::mutex> lock(acceptedMutex);
+    accepted.push_back(std::move(connection));
+  });
+  auto connection = client.connect(server.address());
+  auto inbox = startWithInbox(connection);
+  constexpr int kMessages = 100;
+  for (int i = 0; i < kMessages; ++i) {
+    connection->send(
+        makeMessage("m" + std::to_string(i)),
+        [](const TransportError*) {});
+  }
+  ASSERT_TRUE(inbox->waitForMessages(kMessages, kTimeout));
+  auto replies = inbox->messages();
+  ASSERT_EQ(replies.size(), size_t(kMessages));
+  for (int i = 0; i < kMessages; ++i) {
+    EXPECT_EQ(replies[i].header, "re: m" + std::to_string(i));
+  }
+  EXPECT_EQ(written.load(), kMessages);
+  // Each went out once the read that brought its request was parsed, not
+  // from inside the callback.
+  EXPECT_EQ(writtenInsideCallback.load(), 0);
+  EXPECT_TRUE(inbox->errors().empty());
+  connection->close();
+  client.join();
+  server.join();
 }
 
 } // namespace
