@@ -20,17 +20,8 @@ namespace {
 
 using rpc::LaunchEnvironment;
 using rpc::Launcher;
+using testing::errorOfFromEnvironment;
 using testing::ScopedLauncherEnv;
-
-// The message of the c10::Error that reading the environment throws.
-std::string errorOfFromEnvironment() {
-  try {
-    rpc::Options::fromEnvironment();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "no error";
-}
 
 void expectErrorNames(const std::string& variable, const char* launcher) {
   std::string message = errorOfFromEnvironment();

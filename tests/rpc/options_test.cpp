@@ -18,15 +18,7 @@
 namespace torchrpc {
 namespace {
 
-// The message of the c10::Error that reading the environment throws.
-std::string errorOfFromEnvironment() {
-  try {
-    rpc::Options::fromEnvironment();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "no error";
-}
+using testing::errorOfFromEnvironment;
 
 void expectRefusedNaming(const char* variable, const char* value) {
   ::setenv(variable, value, 1);

@@ -6,7 +6,10 @@
 #include <string>
 #include <utility>
 
+#include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
+
+#include "torchrpc/rpc/options.h"
 
 namespace torchrpc {
 namespace testing {
@@ -85,6 +88,17 @@ class ScopedLauncherEnv : public ScopedEnv {
  public:
   ScopedLauncherEnv() : ScopedEnv(launcherVariables()) {}
 };
+
+// The message of the c10::Error that Options::fromEnvironment() throws,
+// or "no error".
+inline std::string errorOfFromEnvironment() {
+  try {
+    rpc::Options::fromEnvironment();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "no error";
+}
 
 } // namespace testing
 } // namespace torchrpc
