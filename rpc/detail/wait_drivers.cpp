@@ -11,12 +11,20 @@ namespace detail {
 
 namespace {
 
+using Drivers = std::vector<std::shared_ptr<WaitDriver>>;
+
 struct Registry {
   std::mutex mutex;
-  std::vector<std::shared_ptr<WaitDriver>> drivers;
-  // drivers.size(), read without the lock: most processes register none
+  // Replaced, never changed in place, so that a wait holds a snapshot.
+  std::shared_ptr<const Drivers> drivers = std::make_shared<const Drivers>();
+  // drivers->size(), read without the lock: most processes register none
   // (no TCP transport, or polling off), and their waits skip the lock.
   std::atomic<size_t> count{0};
+
+  void replace(Drivers next) {
+    count.store(next.size());
+    drivers = std::make_shared<const Drivers>(std::move(next));
+  }
 };
 
 Registry& registry() {
@@ -34,17 +42,17 @@ WaitDriverRegistration::WaitDriverRegistration(
     : driver_(std::move(driver)) {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  r.drivers.push_back(driver_);
-  r.count.store(r.drivers.size());
+  Drivers next = *r.drivers;
+  next.push_back(driver_);
+  r.replace(std::move(next));
 }
 
 WaitDriverRegistration::~WaitDriverRegistration() {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  r.drivers.erase(
-      std::remove(r.drivers.begin(), r.drivers.end(), driver_),
-      r.drivers.end());
-  r.count.store(r.drivers.size());
+  Drivers next = *r.drivers;
+  next.erase(std::remove(next.begin(), next.end(), driver_), next.end());
+  r.replace(std::move(next));
 }
 
 DrivingScope::DrivingScope() {
@@ -55,15 +63,12 @@ DrivingScope::DrivingScope() {
   if (r.count.load() == 0) {
     return;
   }
-  std::vector<std::shared_ptr<WaitDriver>> all;
   {
     std::lock_guard<std::mutex> lock(r.mutex);
-    all = r.drivers;
+    drivers_ = r.drivers;
   }
-  for (auto& driver : all) {
-    if (driver->beginDriving()) {
-      drivers_.push_back(std::move(driver));
-    }
+  for (const auto& driver : *drivers_) {
+    driver->beginDriving();
   }
 }
 
@@ -72,24 +77,27 @@ DrivingScope::~DrivingScope() {
 }
 
 bool DrivingScope::driveOnce() {
-  if (drivers_.empty()) {
+  if (!drivers_) {
     return false;
   }
   // What runs here is the loop's work: a wait inside it (a future
   // callback that waits) must not drive again.
   EventLoopThreadScope inLoop;
   bool ran = false;
-  for (auto& driver : drivers_) {
+  for (const auto& driver : *drivers_) {
     ran = driver->driveOnce() || ran;
   }
   return ran;
 }
 
 void DrivingScope::end(bool answered) {
-  for (auto& driver : drivers_) {
+  if (!drivers_) {
+    return;
+  }
+  for (const auto& driver : *drivers_) {
     driver->endDriving(answered);
   }
-  drivers_.clear();
+  drivers_.reset();
 }
 
 EventLoopThreadScope::EventLoopThreadScope() : outer_(tlsInEventLoop) {

@@ -44,9 +44,10 @@ namespace detail {
 class WaitDriver {
  public:
   virtual ~WaitDriver() = default;
-  // The calling thread starts driving; false if it cannot (closed).
-  virtual bool beginDriving() = 0;
-  // Runs what is ready without blocking; true if it ran anything.
+  // The calling thread starts driving (always paired with endDriving()).
+  virtual void beginDriving() = 0;
+  // Runs what is ready without blocking; true if it ran anything. Runs
+  // nothing once the loop is closed to drivers.
   virtual bool driveOnce() = 0;
   // The thread stops driving; `answered` is false when it stops before its
   // future completed (it will sleep: the loop's own thread takes over).
@@ -80,7 +81,9 @@ class DrivingScope {
   void end(bool answered);
 
  private:
-  std::vector<std::shared_ptr<WaitDriver>> drivers_;
+  // The registered drivers when the wait began: a copy-on-write snapshot,
+  // so that a wait allocates nothing.
+  std::shared_ptr<const std::vector<std::shared_ptr<WaitDriver>>> drivers_;
 };
 
 // Marks the current thread as running an event loop for its lifetime: it

@@ -147,12 +147,8 @@ bool IoPolling::standByForDrivers() {
   });
 }
 
-bool IoPolling::beginDriving() {
-  if (!enabled() || closedToDrivers_.load()) {
-    return false;
-  }
+void IoPolling::beginDriving() {
   drivers_.fetch_add(1);
-  return true;
 }
 
 bool IoPolling::driveOnce() {

@@ -73,9 +73,11 @@ class IoPolling {
   // ---- Waiting callers (Note [Waiting callers drive the transport] in
   // rpc/detail/wait_drivers.h), on any thread ----
 
-  // False once closed to drivers, or with polling off (the io thread then
-  // sleeps in epoll, holding the reactor a driver would need).
-  bool beginDriving();
+  // Counts the calling thread as driving. Only transports with polling on
+  // are driven: with it off the io thread sleeps in epoll, holding the
+  // reactor a driver would need. Once closed to drivers, the count no
+  // longer keeps the io thread standing by.
+  void beginDriving();
   // io.poll() on the calling thread; true if it ran a handler. Handlers'
   // exceptions are logged, not thrown into the waiter.
   bool driveOnce();

@@ -95,8 +95,8 @@ class TcpWaitDriver : public WaitDriver {
   explicit TcpWaitDriver(std::shared_ptr<TcpContext> context)
       : context_(std::move(context)) {}
 
-  bool beginDriving() override {
-    return context_->polling.beginDriving();
+  void beginDriving() override {
+    context_->polling.beginDriving();
   }
   bool driveOnce() override {
     return context_->polling.driveOnce();

@@ -11,6 +11,7 @@
 #include <string>
 #include <thread>
 
+#include "tests/support/eventually.h"
 #include "tests/support/gate.h"
 #include "tests/support/tcp_peers.h"
 #include "tests/support/transport_harness.h"
@@ -109,6 +110,22 @@ TEST(TcpWaitDriver, AWaitingThreadReadsWhileTheIoThreadIsHeld) {
     EXPECT_EQ(c.readBy, std::this_thread::get_id());
   }
   c.gate.open();
+}
+
+TEST(TcpWaitDriver, TheIoThreadReadsAgainOnceNoOneDrives) {
+  HeldClient c(/*poll=*/true);
+  ASSERT_NE(c.serverTalk, nullptr);
+  // A wait drives until its answer came (read by whichever thread got to
+  // it first: the io thread may still be polling when the wait begins)...
+  c.serverTalk->send(makeMessage("answer"), [](const TransportError*) {});
+  ASSERT_TRUE(driveUntil([&]() { return c.received.load() == 1; }, kTimeout));
+  // ... then nobody drives: the io thread stops standing by (after the
+  // linger) and reads the next message itself.
+  c.serverTalk->send(makeMessage("unasked"), [](const TransportError*) {});
+  ASSERT_TRUE(torchrpc::testing::eventually(
+      [&]() { return c.received.load() == 2; },
+      kTimeout));
+  EXPECT_NE(c.readBy, std::this_thread::get_id());
 }
 
 TEST(TcpWaitDriver, WithoutPollingTheIoThreadKeepsTheLoop) {
