@@ -79,20 +79,23 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       header.type == FrameType::kCmaResult || header.type == FrameType::kAck) {
     const std::string body(reinterpret_cast<const char*>(rest), restSize);
     bool flag = false;
+    bool segments = false;
     uint64_t word = 0;
     if (header.type == FrameType::kCmaProbe &&
-        decodeCmaProbe(body, flag, word)) {
+        decodeCmaProbe(body, flag, segments, word)) {
       require(body.size() >= cmaBodyBytes(header.type));
-      require(encodeCmaProbe(flag, word) == body.substr(0, 9));
+      require(encodeCmaProbe(flag, segments, word) == body.substr(0, 9));
     } else if (
-        header.type == FrameType::kCmaResult && decodeCmaResult(body, flag)) {
-      require(encodeCmaResult(flag) == body.substr(0, 1));
+        header.type == FrameType::kCmaResult &&
+        decodeCmaResult(body, flag, segments)) {
+      require(encodeCmaResult(flag, segments) == body.substr(0, 1));
     } else if (header.type == FrameType::kAck && decodeAck(body, word)) {
       require(encodeAck(word) == body.substr(0, 8));
     }
     return 0;
   }
-  if (header.type != FrameType::kData && header.type != FrameType::kDataCma) {
+  if (header.type != FrameType::kData && header.type != FrameType::kDataCma &&
+      header.type != FrameType::kDataShared) {
     return 0;
   }
   if (!checkDataFrameCaps(header, limits).empty()) {

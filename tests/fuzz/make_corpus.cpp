@@ -59,12 +59,12 @@ void frameHeaders() {
       t,
       "cma_probe",
       '\0' + encodeFrameHeader(FrameType::kCmaProbe, 9, 0) +
-          encodeCmaProbe(true, 0x7f0000002000));
+          encodeCmaProbe(true, true, 0x7f0000002000));
   write(
       t,
       "cma_result",
       '\0' + encodeFrameHeader(FrameType::kCmaResult, 1, 0) +
-          encodeCmaResult(true));
+          encodeCmaResult(true, true));
   write(
       t,
       "ack",

@@ -62,6 +62,14 @@ class Inbox {
     std::lock_guard<std::mutex> lock(mutex_);
     return errors_;
   }
+  // Drops the inbox's references to the tensors received so far (their
+  // messages still count).
+  void releaseTensors() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (Message& message : messages_) {
+      message.tensors.clear();
+    }
+  }
   bool messageAfterError() {
     std::lock_guard<std::mutex> lock(mutex_);
     return messageAfterError_;

@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <utility>
 
 namespace torchrpc {
@@ -53,7 +54,10 @@ TcpConnectionImpl::TcpConnectionImpl(
       handshakeTimer_(strand_),
       heartbeatTimer_(strand_),
       handshake_(role),
-      describe_(std::move(peer)) {}
+      describe_(std::move(peer)),
+      segmentsOut_(
+          context_->segmentBytes,
+          context_->options.sharedMemoryMaxBytes) {}
 
 // ---- Any thread ----
 
@@ -103,37 +107,76 @@ void TcpConnectionImpl::send(Message&& message, Connection::SendCallback done) {
     tensorBytes += lengths[i];
     anyLarge = anyLarge || lengths[i] >= minBytes;
   }
-  context_->tensorBytes.fetch_add(tensorBytes, std::memory_order_relaxed);
-  // Large tensors go by address once the peer proved it can read us; they
-  // then wait in awaitingAck_ (registered before the frame can go out, so
-  // the ack always finds them). See Note [TCP same-host zero copy].
+  // Large tensors go through a shared segment once the peer maps ours
+  // (copied in here, on the sending thread), else by address once it
+  // proved it can read us; those wait in awaitingAck_ (registered before
+  // the frame can go out, so the ack always finds them). See Note [TCP
+  // same-host zero copy] and Note [TCP same-host shared memory].
   uint64_t id = 0;
   std::vector<uint64_t> addresses; // empty: a kData frame
+  std::vector<uint64_t> segments; // empty: no tensor in a segment
+  uint64_t copiedBytes = 0;
   if (anyLarge) {
+    bool mapsUs;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      mapsUs = peerMapsUs_ && !failed_;
+    }
+    if (mapsUs) {
+      for (size_t i = 0; i < count; ++i) {
+        if (lengths[i] < minBytes) {
+          continue;
+        }
+        std::optional<SegmentPlacement> placed =
+            segmentsOut_.copyIn(message.tensors[i]);
+        if (!placed) {
+          continue; // by address instead
+        }
+        if (segments.empty()) {
+          segments.assign(count, 0);
+          addresses.assign(count, 0);
+        }
+        segments[i] = placed->segment;
+        addresses[i] = static_cast<uint64_t>(placed->fd);
+        copiedBytes += lengths[i];
+        message.tensors[i] = at::Tensor();
+      }
+    }
     std::lock_guard<std::mutex> lock(mutex_);
     if (peerReadsUs_ && !failed_) {
-      id = nextCmaId_++;
-      addresses.assign(count, 0);
-      std::vector<at::Tensor>& kept = awaitingAck_[id];
+      std::vector<at::Tensor> kept;
       for (size_t i = 0; i < count; ++i) {
         at::Tensor& tensor = message.tensors[i];
-        if (lengths[i] >= minBytes) {
+        if (lengths[i] >= minBytes && tensor.defined()) {
+          if (addresses.empty()) {
+            addresses.assign(count, 0);
+          }
           addresses[i] = reinterpret_cast<uintptr_t>(tensor.data_ptr());
           kept.push_back(std::move(tensor));
         }
       }
+      id = nextCmaId_++;
+      if (!kept.empty()) {
+        awaitingAck_[id] = std::move(kept);
+      }
     }
   }
+  context_->tensorBytes.fetch_add(
+      tensorBytes - copiedBytes,
+      std::memory_order_relaxed);
+  context_->copiedTensorBytes.fetch_add(copiedBytes, std::memory_order_relaxed);
   OutFrame frame;
   frame.prefix = encodeDataPrefix(
       static_cast<uint32_t>(message.header.size()),
       lengths,
       id,
-      addresses);
+      addresses,
+      segments);
   frame.total = frame.prefix.size() + message.header.size();
   for (size_t i = 0; i < count; ++i) {
-    // Moved-from (by address) tensors are not written.
-    if (addresses.empty() || addresses[i] == 0) {
+    // Tensors by address or in a segment are not written.
+    if (addresses.empty() ||
+        (addresses[i] == 0 && (segments.empty() || segments[i] == 0))) {
       frame.total += lengths[i];
       frame.tensors.push_back(std::move(message.tensors[i]));
     }

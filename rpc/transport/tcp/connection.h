@@ -29,6 +29,7 @@
 #include "torchrpc/rpc/transport/tcp/frame.h"
 #include "torchrpc/rpc/transport/tcp/handshake.h"
 #include "torchrpc/rpc/transport/tcp/same_host.h"
+#include "torchrpc/rpc/transport/tcp/shared_segments.h"
 #include "torchrpc/rpc/transport/transport.h"
 
 namespace torchrpc {
@@ -133,6 +134,10 @@ class TcpConnectionImpl
   bool authenticates() const {
     return !context_->options.sharedSecret.empty();
   }
+  // Shared memory segments are on (Note [TCP same-host shared memory]).
+  bool sharesMemory() const {
+    return context_->options.sharedMemoryMaxBytes > 0;
+  }
   // On strand_, or inline once the io threads were joined.
   bool inLoop() const;
   // Runs `task` on the strand, or inline once no io thread is left.
@@ -201,6 +206,11 @@ class TcpConnectionImpl
   void onDataFrameFromLoop(const FrameHeader& header);
   void onLengthsFromLoop();
   void onCmaWordsFromLoop();
+  // Where tensor `i` of the frame being read comes from: its shared
+  // segment (0: none) and the word that goes with it (Note [TCP same-host
+  // shared memory]).
+  uint64_t segmentOfFromLoop(size_t i) const;
+  uint64_t wordOfFromLoop(size_t i) const;
   // Whether tensor `i` of the frame being read comes by address.
   bool byAddressFromLoop(size_t i) const;
   // Allocates the message the lengths (already validated) describe into
@@ -261,8 +271,13 @@ class TcpConnectionImpl
   // Written on the strand, read by metrics on any thread.
   std::atomic<uint64_t> heartbeatMisses_{0};
   SameHostState sameHost_;
-  bool dataCma_ = false; // the frame being read is kDataCma
-  std::vector<uint64_t> cmaWords_; // its id, then an address per tensor
+  bool dataCma_ = false; // the frame being read is kDataCma or kDataShared
+  bool dataShared_ = false; // ... kDataShared
+  // Its id, then per tensor an address (kDataCma) or {segment, word}
+  // (kDataShared).
+  std::vector<uint64_t> cmaWords_;
+  // The peer's segments we mapped.
+  SegmentReceiver segmentsIn_;
   Message incoming_; // the data frame being read; its buffers are in fill_
   // The read buffer: bytes read off the socket and not yet parsed are
   // readBuffer_[readBegin_, readEnd_). Allocated at the first read, small
@@ -295,9 +310,12 @@ class TcpConnectionImpl
   bool waitingWritable_ = false; // an io thread finishes the queue
   bool wroteSinceTick_ = false;
   bool peerReadsUs_ = false; // we may send kDataCma
+  bool peerMapsUs_ = false; // we may send kDataShared
   uint64_t nextCmaId_ = 0;
   // Tensors the peer reads from our memory, by message id, until its ack.
   std::map<uint64_t, std::vector<at::Tensor>> awaitingAck_;
+  // Our segments the peer maps (thread-safe; used once peerMapsUs_).
+  SegmentSender segmentsOut_;
   // Touched on the strand only once started.
   Connection::ReceiveCallback onMessage_;
   Connection::ErrorCallback onError_;

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include "torchrpc/rpc/errors.h"
@@ -291,6 +292,7 @@ void TcpConnectionImpl::onFrameHeaderFromLoop() {
       return;
     case FrameType::kData:
     case FrameType::kDataCma:
+    case FrameType::kDataShared:
       onDataFrameFromLoop(header);
       return;
     default:
@@ -328,8 +330,11 @@ void TcpConnectionImpl::onControlFrameFromLoop(const FrameHeader& header) {
 
 void TcpConnectionImpl::onDataFrameFromLoop(const FrameHeader& header) {
   TORCHRPC_ASSERT_IN_LOOP();
-  dataCma_ = header.type == FrameType::kDataCma;
-  if (dataCma_ && (!sameHost_.weReadPeer || header.count == 0)) {
+  dataShared_ = header.type == FrameType::kDataShared;
+  dataCma_ = header.type == FrameType::kDataCma || dataShared_;
+  if (dataCma_ &&
+      (!(dataShared_ ? sameHost_.weMapPeer : sameHost_.weReadPeer) ||
+       header.count == 0)) {
     violationFromLoop("unexpected zero-copy data frame");
     return;
   }
@@ -368,7 +373,7 @@ void TcpConnectionImpl::onLengthsFromLoop() {
     readPayloadFromLoop();
     return;
   }
-  cmaWords_.assign(lengths_.size() + 1, 0);
+  cmaWords_.assign(lengths_.size() * (dataShared_ ? 2 : 1) + 1, 0);
   fill_.clear();
   fill_.push_back(FillTarget{
       reinterpret_cast<char*>(cmaWords_.data()),
@@ -383,9 +388,19 @@ void TcpConnectionImpl::onCmaWordsFromLoop() {
   readPayloadFromLoop();
 }
 
+uint64_t TcpConnectionImpl::segmentOfFromLoop(size_t i) const {
+  TORCHRPC_ASSERT_IN_LOOP();
+  return dataShared_ ? cmaWords_[2 * i + 1] : 0;
+}
+
+uint64_t TcpConnectionImpl::wordOfFromLoop(size_t i) const {
+  TORCHRPC_ASSERT_IN_LOOP();
+  return dataShared_ ? cmaWords_[2 * i + 2] : cmaWords_[i + 1];
+}
+
 bool TcpConnectionImpl::byAddressFromLoop(size_t i) const {
   TORCHRPC_ASSERT_IN_LOOP();
-  return dataCma_ && cmaWords_[i + 1] != 0;
+  return dataCma_ && segmentOfFromLoop(i) == 0 && wordOfFromLoop(i) != 0;
 }
 
 void TcpConnectionImpl::readPayloadFromLoop() {
@@ -393,11 +408,26 @@ void TcpConnectionImpl::readPayloadFromLoop() {
   // fill_ points into incoming_ (a short header lives inside the
   // std::string), which stays put until onPayloadFromLoop moves it out.
   incoming_ = Message();
+  std::string refusal;
   try {
     incoming_.header.resize(bodyBytes_);
-    incoming_.tensors.reserve(lengths_.size());
-    for (uint64_t length : lengths_) {
-      incoming_.tensors.push_back(context_->pool->allocate(length));
+    incoming_.tensors.resize(lengths_.size());
+    for (size_t i = 0; i < lengths_.size() && refusal.empty(); ++i) {
+      const uint64_t segment = dataShared_ ? segmentOfFromLoop(i) : 0;
+      if (segment == 0) {
+        incoming_.tensors[i] = context_->pool->allocate(lengths_[i]);
+        continue;
+      }
+      const uint64_t fd = wordOfFromLoop(i);
+      refusal = segmentsIn_.view(
+          sameHost_.peerPid,
+          SegmentPlacement{
+              segment,
+              fd > uint64_t(std::numeric_limits<int>::max())
+                  ? -1
+                  : static_cast<int>(fd)},
+          lengths_[i],
+          incoming_.tensors[i]);
     }
   } catch (const std::exception& e) {
     incoming_ = Message();
@@ -407,12 +437,18 @@ void TcpConnectionImpl::readPayloadFromLoop() {
             ": cannot allocate a message: " + describeException(e)});
     return;
   }
+  if (!refusal.empty()) {
+    incoming_ = Message();
+    violationFromLoop(refusal);
+    return;
+  }
   fill_.clear();
   if (bodyBytes_ > 0) {
     fill_.push_back(FillTarget{&incoming_.header[0], bodyBytes_, false});
   }
   for (size_t i = 0; i < lengths_.size(); ++i) {
-    if (lengths_[i] > 0 && !byAddressFromLoop(i)) {
+    if (lengths_[i] > 0 && !byAddressFromLoop(i) &&
+        !(dataShared_ && segmentOfFromLoop(i) != 0)) {
       fill_.push_back(FillTarget{
           static_cast<char*>(incoming_.tensors[i].data_ptr()),
           lengths_[i],
@@ -442,14 +478,16 @@ void TcpConnectionImpl::onPayloadFromLoop() {
 void TcpConnectionImpl::finishPayloadFromLoop(Message&& message) {
   TORCHRPC_ASSERT_IN_LOOP();
   if (dataCma_) {
+    bool anyByAddress = false;
     for (size_t i = 0; i < lengths_.size(); ++i) {
       if (!byAddressFromLoop(i)) {
         continue;
       }
+      anyByAddress = true;
       int error = readFromPeer(
           sameHost_.peerPid,
           static_cast<char*>(message.tensors[i].data_ptr()),
-          cmaWords_[i + 1],
+          wordOfFromLoop(i),
           lengths_[i]);
       if (error == ESRCH) {
         fail(TransportError{
@@ -466,7 +504,11 @@ void TcpConnectionImpl::finishPayloadFromLoop(Message&& message) {
       }
     }
     lastReceive_ = Clock::now();
-    enqueue(controlFrame(FrameType::kAck, encodeAck(cmaWords_[0])), false);
+    // Tensors in segments need no ack: the receiver's storage releases
+    // them (Note [TCP same-host shared memory]).
+    if (anyByAddress) {
+      enqueue(controlFrame(FrameType::kAck, encodeAck(cmaWords_[0])), false);
+    }
   }
   deliverFromLoop(std::move(message));
 }
@@ -635,11 +677,15 @@ void TcpConnectionImpl::onWelcomeFromLoop() {
     // Tell the server whether we can read it, and where it finds its
     // challenge in our memory.
     sameHost_.weReadPeer = sameHost_.probePeer(welcome.host->address);
+    sameHost_.weMapPeer = sameHost_.weReadPeer && sharesMemory();
     sameHost_.sentCmaProbe = true;
     enqueue(
         controlFrame(
             FrameType::kCmaProbe,
-            encodeCmaProbe(sameHost_.weReadPeer, sameHost_.probeAddress())),
+            encodeCmaProbe(
+                sameHost_.weReadPeer,
+                sameHost_.weMapPeer,
+                sameHost_.probeAddress())),
         false);
   }
   {
@@ -765,22 +811,26 @@ void TcpConnectionImpl::onAckFromLoop() {
 void TcpConnectionImpl::onCmaProbeFromLoop() {
   TORCHRPC_ASSERT_IN_LOOP();
   bool peerReadsUs = false;
+  bool peerMapsUs = false;
   uint64_t address = 0;
   if (handshake_.role != Role::kServer || !sameHost_.offeredCma ||
-      sameHost_.gotCmaFrame || !decodeCmaProbe(body_, peerReadsUs, address)) {
+      sameHost_.gotCmaFrame ||
+      !decodeCmaProbe(body_, peerReadsUs, peerMapsUs, address)) {
     violationFromLoop("unexpected zero-copy probe");
     return;
   }
   sameHost_.gotCmaFrame = true;
   sameHost_.weReadPeer = sameHost_.probePeer(address);
+  sameHost_.weMapPeer = sameHost_.weReadPeer && sharesMemory();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     peerReadsUs_ = peerReadsUs;
+    peerMapsUs_ = peerReadsUs && peerMapsUs && sharesMemory();
   }
   enqueue(
       controlFrame(
           FrameType::kCmaResult,
-          encodeCmaResult(sameHost_.weReadPeer)),
+          encodeCmaResult(sameHost_.weReadPeer, sameHost_.weMapPeer)),
       false);
   readFrameHeaderFromLoop();
 }
@@ -788,8 +838,10 @@ void TcpConnectionImpl::onCmaProbeFromLoop() {
 void TcpConnectionImpl::onCmaResultFromLoop() {
   TORCHRPC_ASSERT_IN_LOOP();
   bool peerReadsUs = false;
+  bool peerMapsUs = false;
   if (handshake_.role != Role::kClient || !sameHost_.sentCmaProbe ||
-      sameHost_.gotCmaFrame || !decodeCmaResult(body_, peerReadsUs)) {
+      sameHost_.gotCmaFrame ||
+      !decodeCmaResult(body_, peerReadsUs, peerMapsUs)) {
     violationFromLoop("unexpected zero-copy result");
     return;
   }
@@ -797,6 +849,7 @@ void TcpConnectionImpl::onCmaResultFromLoop() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     peerReadsUs_ = peerReadsUs;
+    peerMapsUs_ = peerReadsUs && peerMapsUs && sharesMemory();
   }
   readFrameHeaderFromLoop();
 }

@@ -51,6 +51,10 @@ struct TcpContext {
   // Socket reads that brought bytes (TransportStats::reads).
   std::atomic<uint64_t> socketReads{0};
   std::atomic<uint64_t> heartbeatMisses{0};
+  // The bytes of the shared segments the connections keep, bounded by
+  // options.sharedMemoryMaxBytes.
+  const std::shared_ptr<std::atomic<size_t>> segmentBytes =
+      std::make_shared<std::atomic<size_t>>(0);
 
   std::mutex mutex;
   bool closed = false;

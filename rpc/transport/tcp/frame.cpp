@@ -124,22 +124,30 @@ std::string encodeDataPrefix(
     uint32_t bodyBytes,
     const std::vector<size_t>& lengths,
     uint64_t id,
-    const std::vector<uint64_t>& addresses) {
+    const std::vector<uint64_t>& addresses,
+    const std::vector<uint64_t>& segments) {
   const bool byAddress = !addresses.empty();
+  const bool shared = byAddress && !segments.empty();
   const size_t count = lengths.size();
   std::string prefix = encodeFrameHeader(
-      byAddress ? FrameType::kDataCma : FrameType::kData,
+      shared          ? FrameType::kDataShared
+          : byAddress ? FrameType::kDataCma
+                      : FrameType::kData,
       bodyBytes,
       static_cast<uint32_t>(count));
   prefix.reserve(
-      kFrameHeaderBytes + 8 * count + (byAddress ? 8 * (count + 1) : 0));
+      kFrameHeaderBytes + 8 * count +
+      (byAddress ? 8 * (1 + count * (shared ? 2 : 1)) : 0));
   for (size_t length : lengths) {
     appendU64(prefix, length);
   }
   if (byAddress) {
     appendU64(prefix, id);
-    for (uint64_t address : addresses) {
-      appendU64(prefix, address);
+    for (size_t i = 0; i < count; ++i) {
+      if (shared) {
+        appendU64(prefix, segments[i]);
+      }
+      appendU64(prefix, addresses[i]);
     }
   }
   return prefix;

@@ -36,7 +36,8 @@ namespace tcp {
 // no tensors, body at most 4 KiB; Note [TCP transport handshake]), kData
 // (body = Message::header), kHeartbeat and kClose (empty), and the
 // same-host frames kCmaProbe, kCmaResult, kAck and kDataCma (Note [TCP
-// same-host zero copy]). A receiver checks the header, then reads the
+// same-host zero copy]) and kDataShared (Note [TCP same-host shared
+// memory]). A receiver checks the header, then reads the
 // lengths (at most maxTensorsPerMessage of them), checks the body and the
 // sum against TransportLimits, and only then allocates: the body as a
 // string, each tensor as a ReceiveBufferPool buffer, read in place.
@@ -63,6 +64,7 @@ enum class FrameType : uint8_t {
   kCmaResult = 8,
   kDataCma = 9,
   kAck = 10,
+  kDataShared = 11,
 };
 
 // Little-endian integers.
@@ -110,13 +112,16 @@ std::string decodeTensorLengths(
     const TransportLimits& limits);
 
 // The header and tensor lengths of a data frame: kData when `addresses` is
-// empty, else kDataCma followed by `id` and one address per tensor (0: its
-// bytes follow inline).
+// empty; else kDataCma followed by `id` and one address per tensor (0: its
+// bytes follow inline) when `segments` is empty; else kDataShared followed
+// by `id` and {segments[i], addresses[i]} per tensor (a segment's word is
+// the sender's fd of it).
 std::string encodeDataPrefix(
     uint32_t bodyBytes,
     const std::vector<size_t>& lengths,
     uint64_t id,
-    const std::vector<uint64_t>& addresses);
+    const std::vector<uint64_t>& addresses,
+    const std::vector<uint64_t>& segments = {});
 
 // Reads a frame body; every accessor fails (returns false) instead of
 // reading past the end. Holds a reference: `body` must outlive it.

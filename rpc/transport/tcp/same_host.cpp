@@ -106,8 +106,39 @@ size_t cmaBodyBytes(FrameType type) {
   }
 }
 
-std::string encodeCmaProbe(bool canReadYou, uint64_t address) {
-  std::string body(1, canReadYou ? '\1' : '\0');
+namespace {
+
+// The flag byte of kCmaProbe and kCmaResult: bit 0 "I can read you", bit 1
+// "send me shared segments" (only with bit 0; Note [TCP same-host shared
+// memory] in tcp/shared_segments.h).
+constexpr uint8_t kCanReadYou = 1;
+constexpr uint8_t kSendSegments = 2;
+
+uint8_t encodeCmaFlag(bool canReadYou, bool sendSegments) {
+  if (!canReadYou) {
+    return 0;
+  }
+  return kCanReadYou | (sendSegments ? kSendSegments : 0);
+}
+
+bool decodeCmaFlag(uint8_t flag, bool& canReadYou, bool& sendSegments) {
+  if ((flag & ~(kCanReadYou | kSendSegments)) != 0 || flag == kSendSegments) {
+    return false;
+  }
+  canReadYou = (flag & kCanReadYou) != 0;
+  sendSegments = (flag & kSendSegments) != 0;
+  return true;
+}
+
+} // namespace
+
+std::string encodeCmaProbe(
+    bool canReadYou,
+    bool sendSegments,
+    uint64_t address) {
+  std::string body(
+      1,
+      static_cast<char>(encodeCmaFlag(canReadYou, sendSegments)));
   appendU64(body, address);
   return body;
 }
@@ -115,28 +146,27 @@ std::string encodeCmaProbe(bool canReadYou, uint64_t address) {
 bool decodeCmaProbe(
     const std::string& body,
     bool& canReadYou,
+    bool& sendSegments,
     uint64_t& address) {
   BodyReader reader(body);
   uint8_t flag = 0;
-  if (!reader.u8(flag) || flag > 1 || !reader.u64(address)) {
-    return false;
-  }
-  canReadYou = flag == 1;
-  return true;
+  return reader.u8(flag) && decodeCmaFlag(flag, canReadYou, sendSegments) &&
+      reader.u64(address);
 }
 
-std::string encodeCmaResult(bool canReadYou) {
-  return std::string(1, canReadYou ? 1 : 0);
+std::string encodeCmaResult(bool canReadYou, bool sendSegments) {
+  return std::string(
+      1,
+      static_cast<char>(encodeCmaFlag(canReadYou, sendSegments)));
 }
 
-bool decodeCmaResult(const std::string& body, bool& canReadYou) {
+bool decodeCmaResult(
+    const std::string& body,
+    bool& canReadYou,
+    bool& sendSegments) {
   BodyReader reader(body);
   uint8_t flag = 0;
-  if (!reader.u8(flag) || flag > 1) {
-    return false;
-  }
-  canReadYou = flag == 1;
-  return true;
+  return reader.u8(flag) && decodeCmaFlag(flag, canReadYou, sendSegments);
 }
 
 std::string encodeAck(uint64_t id) {

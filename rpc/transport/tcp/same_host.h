@@ -28,8 +28,10 @@ namespace tcp {
 // kWelcome's followed by u64 address. Each side that sees the same boot_id
 // and pid namespace writes the peer's challenge into its own memory and
 // announces where: the server in kWelcome, the client in a kCmaProbe {u8
-// can-read-you | u64 address} right after the handshake, answered by
-// kCmaResult {u8 can-read-you}. A side "can read" its peer when one
+// flags | u64 address} right after the handshake, answered by kCmaResult
+// {u8 flags}; flag bit 0 is "I can read you", bit 1 "send me shared
+// segments" (Note [TCP same-host shared memory] in tcp/shared_segments.h).
+// A side "can read" its peer when one
 // process_vm_readv of the announced address returns its own random
 // challenge, which proves the announced pid is the peer (or cooperates with
 // it). A sender uses kDataCma only once the peer said it can read it:
@@ -92,14 +94,23 @@ int readFromPeer(pid_t pid, char* to, uint64_t from, size_t length);
 // The body a kCmaProbe, kCmaResult or kAck frame must have, 0 for others.
 size_t cmaBodyBytes(FrameType type);
 
-std::string encodeCmaProbe(bool canReadYou, uint64_t address);
+// `sendSegments` (meaningful only with `canReadYou`): the peer may send us
+// tensors in shared segments (Note [TCP same-host shared memory]).
+std::string encodeCmaProbe(
+    bool canReadYou,
+    bool sendSegments,
+    uint64_t address);
 // False if malformed.
 bool decodeCmaProbe(
     const std::string& body,
     bool& canReadYou,
+    bool& sendSegments,
     uint64_t& address);
-std::string encodeCmaResult(bool canReadYou);
-bool decodeCmaResult(const std::string& body, bool& canReadYou);
+std::string encodeCmaResult(bool canReadYou, bool sendSegments);
+bool decodeCmaResult(
+    const std::string& body,
+    bool& canReadYou,
+    bool& sendSegments);
 std::string encodeAck(uint64_t id);
 bool decodeAck(const std::string& body, uint64_t& id);
 
@@ -116,6 +127,7 @@ struct SameHostState {
   bool sentCmaProbe = false; // client
   bool gotCmaFrame = false; // kCmaProbe or kCmaResult seen
   bool weReadPeer = false; // kDataCma frames are accepted
+  bool weMapPeer = false; // kDataShared frames are accepted
 
   // Our section for `host`, with a new random ourChallenge and where we
   // keep the peer's challenge (sent in kWelcome only); none when `host` is

@@ -53,12 +53,20 @@ struct TcpTransportOptions {
   // loopback. See Note [TCP same-host zero copy] in tcp/same_host.h.
   bool sameHostZeroCopy = true;
   size_t zeroCopyMinBytes = size_t(256) << 10;
+  // With sameHostZeroCopy, such tensors go instead through shared memory
+  // segments that the peer maps as the received tensors' storage: one
+  // memcpy by the sender, none by the receiver. This bounds the segments
+  // the transport's connections keep (they are reused, and freed with the
+  // connection); 0 turns shared memory off, in both directions. See
+  // Note [TCP same-host shared memory] in tcp/shared_segments.h.
+  size_t sharedMemoryMaxBytes = size_t(1) << 30;
 };
 
 // Transport over TCP with Boost.Asio. The protocol is in three Notes:
 //   Note [TCP transport wire format]   in tcp/frame.h,
 //   Note [TCP transport handshake]     in tcp/handshake.h,
-//   Note [TCP same-host zero copy]     in tcp/same_host.h.
+//   Note [TCP same-host zero copy]     in tcp/same_host.h,
+//   Note [TCP same-host shared memory] in tcp/shared_segments.h.
 // The other files of rpc/transport/tcp/ are private to the rpc layer.
 //
 // Threads: reads, accepts and timers run on this transport's io threads;

@@ -43,22 +43,40 @@ using detail::tcp::onSameHost;
 using detail::tcp::SameHostState;
 
 TEST(TcpSameHostBody, ControlBodiesRoundTripAndRefuseBadFlags) {
-  std::string probe = encodeCmaProbe(true, 0x1122334455667788ull);
+  std::string probe = encodeCmaProbe(true, false, 0x1122334455667788ull);
   EXPECT_EQ(probe.size(), cmaBodyBytes(FrameType::kCmaProbe));
   EXPECT_EQ(probe, std::string("\1\x88\x77\x66\x55\x44\x33\x22\x11", 9));
   bool canRead = false;
+  bool sendSegments = true;
   uint64_t address = 0;
-  ASSERT_TRUE(decodeCmaProbe(probe, canRead, address));
+  ASSERT_TRUE(decodeCmaProbe(probe, canRead, sendSegments, address));
   EXPECT_TRUE(canRead);
+  EXPECT_FALSE(sendSegments);
   EXPECT_EQ(address, 0x1122334455667788ull);
-  probe[0] = 2;
-  EXPECT_FALSE(decodeCmaProbe(probe, canRead, address));
-
-  EXPECT_EQ(encodeCmaResult(false), std::string("\0", 1));
-  EXPECT_EQ(cmaBodyBytes(FrameType::kCmaResult), 1u);
-  ASSERT_TRUE(decodeCmaResult(encodeCmaResult(true), canRead));
+  // Bit 1, "send me shared segments", goes with bit 0 only.
+  probe = encodeCmaProbe(true, true, 5);
+  EXPECT_EQ(probe[0], '\3');
+  ASSERT_TRUE(decodeCmaProbe(probe, canRead, sendSegments, address));
   EXPECT_TRUE(canRead);
-  EXPECT_FALSE(decodeCmaResult(std::string("\3", 1), canRead));
+  EXPECT_TRUE(sendSegments);
+  EXPECT_EQ(encodeCmaProbe(false, true, 5)[0], '\0');
+  for (char bad : {'\2', '\4', '\7', '\x81'}) {
+    probe[0] = bad;
+    EXPECT_FALSE(decodeCmaProbe(probe, canRead, sendSegments, address))
+        << int(bad);
+  }
+
+  EXPECT_EQ(encodeCmaResult(false, false), std::string("\0", 1));
+  EXPECT_EQ(encodeCmaResult(true, true), std::string("\3", 1));
+  EXPECT_EQ(cmaBodyBytes(FrameType::kCmaResult), 1u);
+  ASSERT_TRUE(
+      decodeCmaResult(encodeCmaResult(true, false), canRead, sendSegments));
+  EXPECT_TRUE(canRead);
+  EXPECT_FALSE(sendSegments);
+  ASSERT_TRUE(decodeCmaResult(std::string("\3", 1), canRead, sendSegments));
+  EXPECT_TRUE(sendSegments);
+  EXPECT_FALSE(decodeCmaResult(std::string("\2", 1), canRead, sendSegments));
+  EXPECT_FALSE(decodeCmaResult(std::string("\4", 1), canRead, sendSegments));
 
   uint64_t id = 0;
   EXPECT_EQ(cmaBodyBytes(FrameType::kAck), 8u);
@@ -109,6 +127,14 @@ TEST(TcpSameHostBody, ProbeReadsOwnChallengeOnlyFromTheAnnouncedAddress) {
 }
 
 // ---- Zero copy over connections ----
+
+// Shared memory segments off, so large tensors go by address (the segments
+// have their own tests, shared_memory_test.cpp).
+detail::TcpTransportOptions cmaOptions(std::string name) {
+  auto options = testOptions(std::move(name));
+  options.sharedMemoryMaxBytes = 0;
+  return options;
+}
 
 constexpr size_t kZeroCopyMin = size_t(256) << 10;
 
@@ -178,8 +204,8 @@ void expectMessages(Inbox& inbox, const std::vector<Message>& expected) {
 }
 
 TEST(TcpZeroCopy, LargeTensorsArriveByteExactWithinAProcess) {
-  detail::TcpTransport server(testOptions("server"));
-  detail::TcpTransport client(testOptions("client"));
+  detail::TcpTransport server(cmaOptions("server"));
+  detail::TcpTransport client(cmaOptions("client"));
   Acceptor acceptor(server);
   auto connection = client.connect(server.address());
   auto clientInbox = startWithInbox(connection);
@@ -201,9 +227,9 @@ TEST(TcpZeroCopy, LargeTensorsArriveByteExactWithinAProcess) {
 }
 
 TEST(TcpZeroCopy, LargeTensorsRoundTripByteExactBetweenProcesses) {
-  ChildServer child(ChildServer::Kind::kTcp, testOptions("child"));
+  ChildServer child(ChildServer::Kind::kTcp, cmaOptions("child"));
   ASSERT_FALSE(child.address().empty());
-  detail::TcpTransport client(testOptions("client"));
+  detail::TcpTransport client(cmaOptions("client"));
   std::shared_ptr<Connection> connection;
   auto inbox = connectAndEcho(client, child.address(), connection);
   // The child echoes: each large tensor crosses twice, by address.
@@ -213,9 +239,9 @@ TEST(TcpZeroCopy, LargeTensorsRoundTripByteExactBetweenProcesses) {
 }
 
 TEST(TcpZeroCopy, DisabledZeroCopyStillCarriesTheBytes) {
-  auto options = testOptions("client");
+  auto options = cmaOptions("client");
   options.sameHostZeroCopy = false;
-  ChildServer child(ChildServer::Kind::kTcp, testOptions("child"));
+  ChildServer child(ChildServer::Kind::kTcp, cmaOptions("child"));
   ASSERT_FALSE(child.address().empty());
   detail::TcpTransport client(options);
   std::shared_ptr<Connection> connection;
@@ -226,9 +252,9 @@ TEST(TcpZeroCopy, DisabledZeroCopyStillCarriesTheBytes) {
 }
 
 TEST(TcpZeroCopy, PeerDyingMidTransferFailsTheConnection) {
-  ChildServer child(ChildServer::Kind::kTcp, testOptions("child"));
+  ChildServer child(ChildServer::Kind::kTcp, cmaOptions("child"));
   ASSERT_FALSE(child.address().empty());
-  detail::TcpTransport client(testOptions("client"));
+  detail::TcpTransport client(cmaOptions("client"));
   std::shared_ptr<Connection> connection;
   auto inbox = connectAndEcho(client, child.address(), connection);
   for (int i = 0; i < 4; ++i) {

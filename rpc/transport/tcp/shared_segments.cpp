@@ -1,0 +1,323 @@
+#include "torchrpc/rpc/transport/tcp/shared_segments.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/Storage.h>
+#include <c10/util/Exception.h>
+
+#include <fcntl.h>
+#include <linux/magic.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/vfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "torchrpc/rpc/transport/receive_buffer_pool.h"
+
+namespace torchrpc {
+namespace rpc {
+namespace detail {
+namespace tcp {
+
+namespace {
+
+constexpr unsigned kSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
+
+// The in-use flag, the first word of a segment's header page. Lock-free, so
+// it works across processes mapping the same page.
+std::atomic<uint32_t>* inUseFlag(void* base) {
+  static_assert(std::atomic<uint32_t>::is_always_lock_free, "shared flag");
+  return reinterpret_cast<std::atomic<uint32_t>*>(base);
+}
+
+std::string errnoText(const char* what, int error) {
+  return std::string(what) + ": " + std::strerror(error);
+}
+
+} // namespace
+
+// ---- Sender ----
+
+struct SegmentSender::Segment {
+  uint64_t id = 0;
+  int fd = -1;
+  void* base = nullptr;
+  size_t bytes = 0; // the whole mapping, header page included
+
+  size_t capacity() const {
+    return bytes - kSegmentDataOffset;
+  }
+  std::atomic<uint32_t>& inUse() const {
+    return *inUseFlag(base);
+  }
+};
+
+SegmentSender::SegmentSender(
+    std::shared_ptr<std::atomic<size_t>> chargedBytes,
+    size_t maxBytes)
+    : chargedBytes_(std::move(chargedBytes)),
+      maxBytes_(maxBytes) {}
+
+SegmentSender::~SegmentSender() {
+  for (auto& segment : segments_) {
+    destroy(*segment);
+  }
+}
+
+void SegmentSender::destroy(Segment& segment) {
+  // The receiver's mapping, if any, keeps the memory until it unmaps.
+  ::munmap(segment.base, segment.bytes);
+  ::close(segment.fd);
+  chargedBytes_->fetch_sub(segment.bytes, std::memory_order_relaxed);
+}
+
+SegmentSender::Segment* SegmentSender::acquireLocked(size_t capacity) {
+  Segment* best = nullptr;
+  for (auto& segment : segments_) {
+    if (segment->capacity() >= capacity &&
+        segment->inUse().load(std::memory_order_acquire) == 0 &&
+        (best == nullptr || segment->bytes < best->bytes)) {
+      best = segment.get();
+    }
+  }
+  if (best != nullptr) {
+    best->inUse().store(1, std::memory_order_relaxed);
+    return best;
+  }
+  const size_t bytes = kSegmentDataOffset + capacity;
+  // Make room by freeing idle segments too small to serve, smallest first
+  // (a workload whose sizes change does not pin the budget in old sizes).
+  std::sort(
+      segments_.begin(),
+      segments_.end(),
+      [](const std::unique_ptr<Segment>& a, const std::unique_ptr<Segment>& b) {
+        return a->bytes < b->bytes;
+      });
+  for (size_t i = 0; i < segments_.size() &&
+       chargedBytes_->load(std::memory_order_relaxed) + bytes > maxBytes_;) {
+    if (segments_[i]->inUse().load(std::memory_order_acquire) == 0) {
+      destroy(*segments_[i]);
+      segments_.erase(segments_.begin() + i);
+    } else {
+      ++i;
+    }
+  }
+  size_t charged = chargedBytes_->fetch_add(bytes, std::memory_order_relaxed);
+  if (charged + bytes > maxBytes_) {
+    chargedBytes_->fetch_sub(bytes, std::memory_order_relaxed);
+    return nullptr;
+  }
+  auto segment = std::make_unique<Segment>();
+  segment->bytes = bytes;
+  segment->fd =
+      ::memfd_create("torchrpc-segment", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (segment->fd < 0 ||
+      ::ftruncate(segment->fd, static_cast<off_t>(bytes)) != 0 ||
+      ::fcntl(segment->fd, F_ADD_SEALS, kSeals) != 0) {
+    if (segment->fd >= 0) {
+      ::close(segment->fd);
+    }
+    chargedBytes_->fetch_sub(bytes, std::memory_order_relaxed);
+    return nullptr;
+  }
+  segment->base = ::mmap(
+      nullptr,
+      bytes,
+      PROT_READ | PROT_WRITE,
+      MAP_SHARED,
+      segment->fd,
+      0);
+  if (segment->base == MAP_FAILED) {
+    ::close(segment->fd);
+    chargedBytes_->fetch_sub(bytes, std::memory_order_relaxed);
+    return nullptr;
+  }
+  segment->id = nextId_++;
+  segment->inUse().store(1, std::memory_order_relaxed);
+  segments_.push_back(std::move(segment));
+  return segments_.back().get();
+}
+
+std::optional<SegmentPlacement> SegmentSender::copyIn(
+    const at::Tensor& tensor) {
+  const size_t nbytes = tensor.nbytes();
+  // Bucketed as the receive pool does, so that sizes differing by a few
+  // bytes share a segment.
+  const size_t capacity =
+      (ReceiveBufferPool::bucketCapacity(nbytes) + kSegmentDataOffset - 1) &
+      ~(kSegmentDataOffset - 1);
+  Segment* segment = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    segment = acquireLocked(capacity);
+  }
+  if (segment == nullptr) {
+    return std::nullopt;
+  }
+  // The segment is ours until the receiver clears its flag: no lock needed
+  // to fill it, and only this connection destroys it (after all sends).
+  std::memcpy(
+      static_cast<char*>(segment->base) + kSegmentDataOffset,
+      tensor.data_ptr(),
+      nbytes);
+  return SegmentPlacement{segment->id, segment->fd};
+}
+
+size_t SegmentSender::segmentCount() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return segments_.size();
+}
+
+size_t SegmentSender::segmentBytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  size_t total = 0;
+  for (const auto& segment : segments_) {
+    total += segment->bytes;
+  }
+  return total;
+}
+
+// ---- Receiver ----
+
+struct SegmentReceiver::Mapping {
+  void* base = nullptr;
+  size_t bytes = 0;
+  // Whether a tensor of ours views it now (private: the peer cannot
+  // clear it).
+  std::atomic<bool> held{false};
+
+  ~Mapping() {
+    ::munmap(base, bytes);
+  }
+};
+
+namespace {
+
+// The DataPtr context of a received tensor: its mapping, kept alive.
+struct SegmentView {
+  std::shared_ptr<void> mapping;
+  std::atomic<bool>* held;
+  std::atomic<uint32_t>* inUse;
+};
+
+void releaseSegmentView(void* context) {
+  auto* view = static_cast<SegmentView*>(context);
+  // Ours first: once the peer sees its flag clear it may send the segment
+  // again, and the reader must then find it not held.
+  view->held->store(false, std::memory_order_release);
+  view->inUse->store(0, std::memory_order_release);
+  delete view;
+}
+
+} // namespace
+
+SegmentReceiver::~SegmentReceiver() = default;
+
+void SegmentReceiver::evictIdle() {
+  size_t idle = 0;
+  for (const auto& entry : mapped_) {
+    idle += entry.second->held.load(std::memory_order_acquire) ? 0 : 1;
+  }
+  // Oldest (lowest id) first.
+  for (auto it = mapped_.begin();
+       it != mapped_.end() && idle > kMaxIdleMappings;) {
+    if (!it->second->held.load(std::memory_order_acquire)) {
+      it = mapped_.erase(it);
+      --idle;
+    } else {
+      ++it;
+    }
+  }
+}
+
+std::string SegmentReceiver::view(
+    pid_t peerPid,
+    const SegmentPlacement& placement,
+    uint64_t length,
+    at::Tensor& out) {
+  auto it = mapped_.find(placement.segment);
+  if (it == mapped_.end()) {
+    if (placement.fd < 0) {
+      return "bad shared segment descriptor";
+    }
+    const std::string path = "/proc/" + std::to_string(peerPid) + "/fd/" +
+        std::to_string(placement.fd);
+    int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0) {
+      return errnoText("cannot open the peer's shared segment", errno);
+    }
+    struct statfs fs {};
+    struct stat st {};
+    int seals = ::fcntl(fd, F_GET_SEALS);
+    std::string refusal;
+    if (::fstatfs(fd, &fs) != 0 || fs.f_type != TMPFS_MAGIC) {
+      refusal = "shared segment is not a memfd on tmpfs";
+    } else if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
+      refusal = "shared segment is not sealed against shrinking";
+    } else if (
+        ::fstat(fd, &st) != 0 || st.st_size < 0 ||
+        static_cast<uint64_t>(st.st_size) < kSegmentDataOffset) {
+      refusal = "shared segment is too small";
+    }
+    void* base = MAP_FAILED;
+    if (refusal.empty()) {
+      base = ::mmap(
+          nullptr,
+          static_cast<size_t>(st.st_size),
+          PROT_READ | PROT_WRITE,
+          MAP_SHARED,
+          fd,
+          0);
+      if (base == MAP_FAILED) {
+        refusal = errnoText("cannot map the peer's shared segment", errno);
+      }
+    }
+    ::close(fd);
+    if (!refusal.empty()) {
+      return refusal;
+    }
+    auto mapping = std::make_shared<Mapping>();
+    mapping->base = base;
+    mapping->bytes = static_cast<size_t>(st.st_size);
+    it = mapped_.emplace(placement.segment, std::move(mapping)).first;
+    evictIdle();
+  }
+  const std::shared_ptr<Mapping>& mapping = it->second;
+  if (length > mapping->bytes - kSegmentDataOffset) {
+    return "tensor exceeds its shared segment";
+  }
+  if (mapping->held.exchange(true, std::memory_order_acq_rel)) {
+    return "shared segment reused while a received tensor still views it";
+  }
+  char* data = static_cast<char*>(mapping->base) + kSegmentDataOffset;
+  auto* context =
+      new SegmentView{mapping, &mapping->held, inUseFlag(mapping->base)};
+  c10::DataPtr dataPtr(
+      data,
+      context,
+      &releaseSegmentView,
+      c10::Device(c10::DeviceType::CPU));
+  c10::Storage storage(
+      c10::Storage::use_byte_size_t(),
+      static_cast<size_t>(length),
+      std::move(dataPtr),
+      /*allocator=*/nullptr,
+      /*resizable=*/false);
+  out = at::empty({0}, at::TensorOptions().dtype(at::kByte))
+            .set_(storage, 0, {static_cast<int64_t>(length)}, {1});
+  return std::string();
+}
+
+bool viewsSharedSegment(const at::Tensor& tensor) {
+  return tensor.defined() && tensor.has_storage() &&
+      tensor.storage().data_ptr().get_deleter() == &releaseSegmentView;
+}
+
+} // namespace tcp
+} // namespace detail
+} // namespace rpc
+} // namespace torchrpc

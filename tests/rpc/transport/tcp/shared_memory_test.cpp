@@ -1,0 +1,567 @@
+// Same-host shared memory (Note [TCP same-host shared memory],
+// rpc/transport/tcp/shared_segments.h): segments as values (reuse, budget,
+// what a receiver refuses to map), then large tensors through segments
+// within a process and between processes: byte-exact, never overwritten
+// while held, falling back to addresses when the budget is spent, and a
+// negotiated peer that announces a bad segment failing only its connection.
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstring>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "tests/support/tcp_peers.h"
+#include "tests/support/transport_harness.h"
+#include "torchrpc/rpc/transport/tcp/frame.h"
+#include "torchrpc/rpc/transport/tcp/handshake.h"
+#include "torchrpc/rpc/transport/tcp/same_host.h"
+#include "torchrpc/rpc/transport/tcp/shared_segments.h"
+#include "torchrpc/rpc/transport/tcp/tcp_transport.h"
+#include "torchrpc/rpc/transport/transport.h"
+
+namespace torchrpc {
+namespace rpc {
+namespace {
+
+using namespace harness;
+using detail::tcp::SegmentPlacement;
+using detail::tcp::SegmentReceiver;
+using detail::tcp::SegmentSender;
+using detail::tcp::viewsSharedSegment;
+
+constexpr size_t kMiB = size_t(1) << 20;
+
+// Distinct bytes per tensor, so a swapped, shifted or overwritten tensor
+// shows.
+at::Tensor patterned(size_t nbytes, int seed) {
+  auto tensor = at::empty({static_cast<int64_t>(nbytes)}, at::kByte);
+  auto* data = tensor.data_ptr<uint8_t>();
+  for (size_t i = 0; i < nbytes; ++i) {
+    data[i] = static_cast<uint8_t>((i * 131 + seed * 7 + (i >> 12)) & 0xff);
+  }
+  return tensor;
+}
+
+bool sameBytes(const at::Tensor& got, const at::Tensor& want) {
+  return got.nbytes() == want.nbytes() &&
+      std::memcmp(got.data_ptr(), want.data_ptr(), want.nbytes()) == 0;
+}
+
+std::shared_ptr<std::atomic<size_t>> budget() {
+  return std::make_shared<std::atomic<size_t>>(0);
+}
+
+// ---- Segments as values ----
+
+TEST(SharedSegments, ReceiverViewsWhatTheSenderCopiedAndReusesItOnceDropped) {
+  auto charged = budget();
+  SegmentSender sender(charged, 64 * kMiB);
+  SegmentReceiver receiver;
+  const at::Tensor want = patterned(3 * kMiB, 1);
+
+  auto first = sender.copyIn(want);
+  ASSERT_TRUE(first.has_value());
+  EXPECT_EQ(first->segment, 1u);
+  at::Tensor got;
+  ASSERT_EQ(receiver.view(::getpid(), *first, want.nbytes(), got), "");
+  EXPECT_TRUE(viewsSharedSegment(got));
+  EXPECT_FALSE(viewsSharedSegment(want));
+  EXPECT_TRUE(sameBytes(got, want));
+  EXPECT_EQ(got.scalar_type(), at::kByte);
+  EXPECT_EQ(got.dim(), 1);
+
+  // Held: the next copy takes a new segment, and the first keeps its bytes.
+  const at::Tensor other = patterned(3 * kMiB, 2);
+  auto second = sender.copyIn(other);
+  ASSERT_TRUE(second.has_value());
+  EXPECT_EQ(second->segment, 2u);
+  EXPECT_TRUE(sameBytes(got, want));
+  at::Tensor got2;
+  ASSERT_EQ(receiver.view(::getpid(), *second, other.nbytes(), got2), "");
+  EXPECT_TRUE(sameBytes(got2, other));
+
+  // Dropped: its segment serves again, seen through the same mapping.
+  void* firstData = got.data_ptr();
+  got = at::Tensor();
+  auto third = sender.copyIn(patterned(3 * kMiB - 100, 3));
+  ASSERT_TRUE(third.has_value());
+  EXPECT_EQ(third->segment, 1u);
+  at::Tensor got3;
+  ASSERT_EQ(receiver.view(::getpid(), *third, 3 * kMiB - 100, got3), "");
+  EXPECT_EQ(got3.data_ptr(), firstData);
+  EXPECT_TRUE(sameBytes(got3, patterned(3 * kMiB - 100, 3)));
+  EXPECT_EQ(sender.segmentCount(), 2u);
+  EXPECT_EQ(charged->load(), sender.segmentBytes());
+  EXPECT_EQ(receiver.mappedCount(), 2u);
+}
+
+TEST(SharedSegments, AReceivedTensorOutlivesSenderAndReceiver) {
+  const at::Tensor want = patterned(kMiB, 4);
+  at::Tensor got;
+  auto charged = budget();
+  {
+    SegmentSender sender(charged, 8 * kMiB);
+    SegmentReceiver receiver;
+    auto placed = sender.copyIn(want);
+    ASSERT_TRUE(placed.has_value());
+    ASSERT_EQ(receiver.view(::getpid(), *placed, want.nbytes(), got), "");
+  }
+  EXPECT_EQ(charged->load(), 0u);
+  EXPECT_TRUE(sameBytes(got, want));
+  // Still writable, as any received tensor.
+  got.fill_(7);
+  EXPECT_EQ(got[12345].item<uint8_t>(), 7);
+}
+
+TEST(SharedSegments, TheBudgetBoundsSegmentsAndIdleOnesMakeRoom) {
+  auto charged = budget();
+  // Room for two 1 MiB segments (each with its header page), not three.
+  SegmentSender sender(charged, 2 * kMiB + 2 * 4096 + 100);
+  SegmentReceiver receiver;
+  auto a = sender.copyIn(patterned(kMiB, 1));
+  auto b = sender.copyIn(patterned(kMiB, 2));
+  ASSERT_TRUE(a && b);
+  at::Tensor heldA;
+  at::Tensor heldB;
+  ASSERT_EQ(receiver.view(::getpid(), *a, kMiB, heldA), "");
+  ASSERT_EQ(receiver.view(::getpid(), *b, kMiB, heldB), "");
+  EXPECT_FALSE(sender.copyIn(patterned(kMiB, 3)).has_value());
+  EXPECT_LE(charged->load(), 2 * kMiB + 2 * 4096 + 100);
+
+  // Both idle: a 2 MiB tensor fits once the two small segments are freed.
+  heldA = at::Tensor();
+  heldB = at::Tensor();
+  auto big = sender.copyIn(patterned(2 * kMiB, 4));
+  ASSERT_TRUE(big.has_value());
+  EXPECT_EQ(big->segment, 3u);
+  EXPECT_EQ(sender.segmentCount(), 1u);
+  at::Tensor got;
+  ASSERT_EQ(receiver.view(::getpid(), *big, 2 * kMiB, got), "");
+  EXPECT_TRUE(sameBytes(got, patterned(2 * kMiB, 4)));
+}
+
+TEST(SharedSegments, TheReceiverRefusesWhatCouldFaultOrIsNotASegment) {
+  SegmentReceiver receiver;
+  at::Tensor out;
+  const pid_t self = ::getpid();
+
+  int pipeFds[2];
+  ASSERT_EQ(::pipe(pipeFds), 0);
+  EXPECT_EQ(
+      receiver.view(self, SegmentPlacement{1, pipeFds[0]}, 10, out),
+      "shared segment is not a memfd on tmpfs");
+  ::close(pipeFds[0]);
+  ::close(pipeFds[1]);
+
+  // A memfd its owner could shrink under our mapping (SIGBUS).
+  int unsealed = ::memfd_create("unsealed", MFD_CLOEXEC);
+  ASSERT_GE(unsealed, 0);
+  ASSERT_EQ(::ftruncate(unsealed, 1 << 20), 0);
+  EXPECT_EQ(
+      receiver.view(self, SegmentPlacement{2, unsealed}, 10, out),
+      "shared segment is not sealed against shrinking");
+  ::close(unsealed);
+
+  EXPECT_EQ(
+      receiver.view(self, SegmentPlacement{3, 1 << 30}, 10, out),
+      "cannot open the peer's shared segment: No such file or directory");
+  EXPECT_EQ(
+      receiver.view(self, SegmentPlacement{4, -1}, 10, out),
+      "bad shared segment descriptor");
+
+  auto charged = budget();
+  SegmentSender sender(charged, 16 * kMiB);
+  auto placed = sender.copyIn(patterned(kMiB, 5));
+  ASSERT_TRUE(placed.has_value());
+  // A tensor longer than the segment.
+  EXPECT_EQ(
+      receiver.view(self, *placed, 64 * kMiB, out),
+      "tensor exceeds its shared segment");
+  // A segment sent again while our tensor still views it.
+  at::Tensor held;
+  ASSERT_EQ(receiver.view(self, *placed, kMiB, held), "");
+  EXPECT_EQ(
+      receiver.view(self, *placed, kMiB, out),
+      "shared segment reused while a received tensor still views it");
+  EXPECT_FALSE(out.defined());
+  EXPECT_TRUE(sameBytes(held, patterned(kMiB, 5)));
+}
+
+TEST(SharedSegments, IdleMappingsAreBounded) {
+  auto charged = budget();
+  SegmentSender sender(charged, 256 * kMiB);
+  SegmentReceiver receiver;
+  std::vector<at::Tensor> held;
+  // Held mappings all stay; idle ones beyond the bound are dropped.
+  const size_t count = detail::tcp::kMaxIdleMappings + 8;
+  for (size_t i = 0; i < count; ++i) {
+    auto placed = sender.copyIn(patterned(256 << 10, static_cast<int>(i)));
+    ASSERT_TRUE(placed.has_value());
+    at::Tensor got;
+    ASSERT_EQ(receiver.view(::getpid(), *placed, 256 << 10, got), "");
+    held.push_back(got);
+  }
+  EXPECT_EQ(receiver.mappedCount(), count);
+  for (size_t i = 0; i < count; ++i) {
+    EXPECT_TRUE(sameBytes(held[i], patterned(256 << 10, static_cast<int>(i))));
+  }
+  held.clear();
+  // The next new segment trims the idle ones.
+  auto placed = sender.copyIn(patterned(8 * kMiB, 99));
+  ASSERT_TRUE(placed.has_value());
+  at::Tensor got;
+  ASSERT_EQ(receiver.view(::getpid(), *placed, 8 * kMiB, got), "");
+  EXPECT_LE(receiver.mappedCount(), detail::tcp::kMaxIdleMappings + 1);
+}
+
+// ---- Over connections ----
+
+// A connected pair in this process, after one message each way (so the
+// same-host negotiation has completed).
+struct Pair {
+  explicit Pair(
+      detail::TcpTransportOptions serverOptions = testOptions("server"),
+      detail::TcpTransportOptions clientOptions = testOptions("client"))
+      : server(serverOptions),
+        client(clientOptions),
+        acceptor(server) {
+    connection = client.connect(server.address());
+    clientInbox = startWithInbox(connection);
+    connection->send(makeMessage("hello"), [](const TransportError*) {});
+    accepted = acceptor.waitFor(0);
+    EXPECT_TRUE(accepted.connection);
+    EXPECT_TRUE(accepted.inbox->waitForMessages(1, kTimeout));
+    accepted.connection->send(makeMessage("hi"), [](const TransportError*) {});
+    EXPECT_TRUE(clientInbox->waitForMessages(1, kTimeout));
+  }
+
+  detail::TcpTransport server;
+  detail::TcpTransport client;
+  Acceptor acceptor;
+  std::shared_ptr<Connection> connection;
+  std::shared_ptr<Inbox> clientInbox;
+  Acceptor::Accepted accepted;
+};
+
+TEST(TcpSharedMemory, LargeTensorsArriveInSegmentsAndSmallOnesInline) {
+  Pair pair;
+  std::vector<at::Tensor> sent = {
+      patterned(kMiB, 1),
+      patterned(100, 2),
+      patterned(5 * kMiB + 3, 3),
+      patterned((256 << 10) - 1, 4)};
+  std::vector<at::Tensor> copies;
+  for (const at::Tensor& t : sent) {
+    copies.push_back(t.clone());
+  }
+  pair.connection->send(
+      makeMessage("mixed", sent),
+      [](const TransportError* error) { EXPECT_EQ(error, nullptr); });
+  ASSERT_TRUE(pair.accepted.inbox->waitForMessages(2, kTimeout));
+  Message got = pair.accepted.inbox->messages()[1];
+  EXPECT_EQ(got.header, "mixed");
+  ASSERT_EQ(got.tensors.size(), copies.size());
+  for (size_t i = 0; i < copies.size(); ++i) {
+    EXPECT_TRUE(sameBytes(got.tensors[i], copies[i])) << i;
+  }
+  // zeroCopyMinBytes (256 KiB) decides.
+  EXPECT_TRUE(viewsSharedSegment(got.tensors[0]));
+  EXPECT_FALSE(viewsSharedSegment(got.tensors[1]));
+  EXPECT_TRUE(viewsSharedSegment(got.tensors[2]));
+  EXPECT_FALSE(viewsSharedSegment(got.tensors[3]));
+  // The sender's tensors are untouched, and those copied into segments
+  // were not kept (an address's would be, until the ack).
+  for (size_t i = 0; i < sent.size(); ++i) {
+    EXPECT_TRUE(sameBytes(sent[i], copies[i]));
+  }
+  EXPECT_EQ(sent[0].use_count(), 1);
+  EXPECT_EQ(sent[2].use_count(), 1);
+  EXPECT_TRUE(pair.accepted.inbox->errors().empty());
+}
+
+TEST(TcpSharedMemory, HeldTensorsKeepTheirBytesAndDroppedOnesFreeTheirSegment) {
+  Pair pair;
+  constexpr int kMessages = 8;
+  for (int i = 0; i < kMessages; ++i) {
+    pair.connection->send(
+        makeMessage("m", {patterned(kMiB, i)}),
+        [](const TransportError*) {});
+  }
+  ASSERT_TRUE(pair.accepted.inbox->waitForMessages(1 + kMessages, kTimeout));
+  auto got = pair.accepted.inbox->messages();
+  std::set<void*> firstRound;
+  for (int i = 0; i < kMessages; ++i) {
+    const at::Tensor& tensor = got[1 + i].tensors.at(0);
+    EXPECT_TRUE(viewsSharedSegment(tensor)) << i;
+    EXPECT_TRUE(sameBytes(tensor, patterned(kMiB, i))) << i;
+    firstRound.insert(tensor.data_ptr());
+  }
+  // All held at once: eight segments.
+  EXPECT_EQ(firstRound.size(), size_t(kMessages));
+  got.clear();
+  pair.accepted.inbox->releaseTensors();
+
+  // Each received and dropped before the next: the same segments serve.
+  for (int i = 0; i < kMessages; ++i) {
+    pair.connection->send(
+        makeMessage("again", {patterned(kMiB, 100 + i)}),
+        [](const TransportError*) {});
+    ASSERT_TRUE(
+        pair.accepted.inbox->waitForMessages(1 + kMessages + 1 + i, kTimeout));
+    auto messages = pair.accepted.inbox->messages();
+    const at::Tensor& tensor = messages.back().tensors.at(0);
+    EXPECT_TRUE(sameBytes(tensor, patterned(kMiB, 100 + i))) << i;
+    EXPECT_EQ(firstRound.count(tensor.data_ptr()), 1u) << i;
+    messages.clear();
+    pair.accepted.inbox->releaseTensors();
+  }
+  EXPECT_TRUE(pair.accepted.inbox->errors().empty());
+}
+
+TEST(TcpSharedMemory, ASpentBudgetSendsByAddressInstead) {
+  auto clientOptions = testOptions("client");
+  clientOptions.sharedMemoryMaxBytes = 2 * kMiB + 2 * 4096;
+  Pair pair(testOptions("server"), clientOptions);
+  for (int i = 0; i < 5; ++i) {
+    pair.connection->send(
+        makeMessage("m", {patterned(kMiB, i)}),
+        [](const TransportError*) {});
+  }
+  ASSERT_TRUE(pair.accepted.inbox->waitForMessages(6, kTimeout));
+  auto got = pair.accepted.inbox->messages();
+  int inSegments = 0;
+  for (int i = 0; i < 5; ++i) {
+    const at::Tensor& tensor = got[1 + i].tensors.at(0);
+    EXPECT_TRUE(sameBytes(tensor, patterned(kMiB, i))) << i;
+    inSegments += viewsSharedSegment(tensor) ? 1 : 0;
+  }
+  // Two segments fit; the rest went by address (process_vm_readv).
+  EXPECT_EQ(inSegments, 2);
+  EXPECT_TRUE(pair.accepted.inbox->errors().empty());
+}
+
+TEST(TcpSharedMemory, EitherSideTurningItOffMeansNoSegments) {
+  for (int off = 0; off < 2; ++off) {
+    SCOPED_TRACE(off == 0 ? "receiver off" : "sender off");
+    auto serverOptions = testOptions("server");
+    auto clientOptions = testOptions("client");
+    (off == 0 ? serverOptions : clientOptions).sharedMemoryMaxBytes = 0;
+    Pair pair(serverOptions, clientOptions);
+    pair.connection->send(
+        makeMessage("m", {patterned(2 * kMiB, 9)}),
+        [](const TransportError*) {});
+    ASSERT_TRUE(pair.accepted.inbox->waitForMessages(2, kTimeout));
+    const at::Tensor tensor = pair.accepted.inbox->messages()[1].tensors.at(0);
+    EXPECT_TRUE(sameBytes(tensor, patterned(2 * kMiB, 9)));
+    EXPECT_FALSE(viewsSharedSegment(tensor));
+  }
+}
+
+TEST(TcpSharedMemory, TensorsCrossProcessesAndOutliveTheSender) {
+  ChildServer child(ChildServer::Kind::kTcp, testOptions("child"));
+  ASSERT_FALSE(child.address().empty());
+  detail::TcpTransport client(testOptions("client"));
+  std::shared_ptr<Connection> connection;
+  auto inbox = connectAndEcho(client, child.address(), connection);
+  // The child echoes: each tensor crosses twice, in a segment each way.
+  for (int i = 0; i < 4; ++i) {
+    connection->send(
+        makeMessage("big", {patterned(4 * kMiB + i, i), patterned(64, i)}),
+        [](const TransportError*) {});
+  }
+  ASSERT_TRUE(inbox->waitForMessages(5, kTimeout));
+  auto got = inbox->messages();
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_EQ(got[1 + i].tensors.size(), 2u);
+    EXPECT_TRUE(viewsSharedSegment(got[1 + i].tensors[0])) << i;
+    EXPECT_TRUE(sameBytes(got[1 + i].tensors[0], patterned(4 * kMiB + i, i)));
+    EXPECT_TRUE(sameBytes(got[1 + i].tensors[1], patterned(64, i)));
+  }
+  // The child's segments hold our tensors' storage; they survive it.
+  child.kill(SIGKILL);
+  child.reap();
+  EXPECT_TRUE(inbox->waitForError(kTimeout));
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_TRUE(sameBytes(got[1 + i].tensors[0], patterned(4 * kMiB + i, i)));
+  }
+}
+
+// ---- A negotiated peer that lies ----
+
+// A hand-driven client in this process: it completes the handshake with a
+// host section, proves it can be read, asks for segments, and then sends
+// whatever frame the test gives it.
+class NegotiatedRawPeer {
+ public:
+  explicit NegotiatedRawPeer(int port) : peer_(port) {}
+
+  bool negotiate() {
+    using namespace detail::tcp;
+    if (!peer_.connected()) {
+      return false;
+    }
+    HostIdentity host = localHostIdentity();
+    if (host.bootId.empty()) {
+      return false;
+    }
+    Greeting hello;
+    hello.name = "liar";
+    HostSection section;
+    section.bootId = host.bootId;
+    section.pidNamespace = host.pidNamespace;
+    section.pid = static_cast<uint64_t>(::getpid());
+    section.challenge = std::string(kChallengeBytes, 'c');
+    hello.host = section;
+    std::string body = encodeGreeting(FrameType::kHello, hello);
+    if (!peer_.write(
+            encodeFrameHeader(
+                FrameType::kHello,
+                static_cast<uint32_t>(body.size()),
+                0) +
+            body)) {
+      return false;
+    }
+    std::string header = peer_.read(kFrameHeaderBytes);
+    if (header.size() != kFrameHeaderBytes) {
+      return false;
+    }
+    FrameHeader welcomeHeader = decodeFrameHeader(
+        reinterpret_cast<const unsigned char*>(header.data()));
+    std::string welcomeBody = peer_.read(welcomeHeader.bodyBytes);
+    Greeting welcome;
+    if (welcomeHeader.type != FrameType::kWelcome ||
+        !decodeGreeting(FrameType::kWelcome, welcomeBody, false, welcome)
+             .empty() ||
+        !welcome.host) {
+      return false;
+    }
+    // Where the server finds its own challenge in our memory.
+    serverChallenge_ = welcome.host->challenge;
+    std::string probe = encodeCmaProbe(
+        true,
+        true,
+        reinterpret_cast<uintptr_t>(serverChallenge_.data()));
+    if (!peer_.write(
+            encodeFrameHeader(FrameType::kCmaProbe, probe.size(), 0) + probe)) {
+      return false;
+    }
+    std::string result = peer_.read(kFrameHeaderBytes + 1);
+    // kCmaResult {flags}: the server reads us and maps our segments.
+    return result.size() == kFrameHeaderBytes + 1 &&
+        decodeFrameHeader(reinterpret_cast<const unsigned char*>(result.data()))
+            .type == FrameType::kCmaResult &&
+        result.back() == '\3';
+  }
+
+  RawPeer& raw() {
+    return peer_;
+  }
+
+ private:
+  RawPeer peer_;
+  std::string serverChallenge_;
+};
+
+// One tensor of `length` bytes announced in segment 1 at our fd `fd`.
+std::string sharedFrame(int fd, uint64_t length) {
+  using namespace detail::tcp;
+  std::string prefix = encodeDataPrefix(
+      0,
+      {static_cast<size_t>(length)},
+      1,
+      {static_cast<uint64_t>(fd)},
+      {1});
+  return prefix;
+}
+
+class TcpSharedMemoryHostile : public TcpListenerFixture {};
+
+TEST_F(TcpSharedMemoryHostile, BadSegmentsFailOnlyTheirConnection) {
+  int pipeFds[2];
+  ASSERT_EQ(::pipe(pipeFds), 0);
+  int unsealed = ::memfd_create("unsealed", MFD_CLOEXEC);
+  ASSERT_GE(unsealed, 0);
+  ASSERT_EQ(::ftruncate(unsealed, 1 << 20), 0);
+  auto charged = budget();
+  SegmentSender sender(charged, 16 * kMiB);
+  auto good = sender.copyIn(patterned(kMiB, 1));
+  ASSERT_TRUE(good.has_value());
+
+  struct Case {
+    std::string what;
+    std::string frame;
+    std::string reason;
+  };
+  std::vector<Case> cases = {
+      {"pipe", sharedFrame(pipeFds[0], 10), "not a memfd on tmpfs"},
+      {"unsealed memfd",
+       sharedFrame(unsealed, 10),
+       "not sealed against shrinking"},
+      {"no such fd", sharedFrame(1 << 30, 10), "cannot open"},
+      {"longer than the segment",
+       sharedFrame(good->fd, 2 * kMiB),
+       "tensor exceeds its shared segment"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    size_t index = acceptor_->count();
+    NegotiatedRawPeer peer(port_);
+    ASSERT_TRUE(peer.negotiate());
+    auto accepted = acceptor_->waitFor(index);
+    ASSERT_NE(accepted.connection, nullptr);
+    ASSERT_TRUE(peer.raw().write(c.frame));
+    ASSERT_TRUE(accepted.inbox->waitForError());
+    const TransportError error = accepted.inbox->errors()[0];
+    EXPECT_EQ(error.code, ErrorCode::kMalformedMessage);
+    EXPECT_NE(error.detail.find(c.reason), std::string::npos) << error.detail;
+    EXPECT_TRUE(accepted.inbox->messages().empty());
+    EXPECT_TRUE(peer.raw().waitClosedByServer());
+  }
+  // And a good one, to show the peer itself was not what failed.
+  size_t index = acceptor_->count();
+  NegotiatedRawPeer peer(port_);
+  ASSERT_TRUE(peer.negotiate());
+  auto accepted = acceptor_->waitFor(index);
+  ASSERT_NE(accepted.connection, nullptr);
+  ASSERT_TRUE(peer.raw().write(sharedFrame(good->fd, kMiB)));
+  ASSERT_TRUE(accepted.inbox->waitForMessages(1, kTimeout));
+  const at::Tensor got = accepted.inbox->messages()[0].tensors.at(0);
+  EXPECT_TRUE(viewsSharedSegment(got));
+  EXPECT_TRUE(sameBytes(got, patterned(kMiB, 1)));
+  ::close(pipeFds[0]);
+  ::close(pipeFds[1]);
+  ::close(unsealed);
+  expectListenerHealthy();
+}
+
+TEST_F(TcpSharedMemoryHostile, SegmentsWithoutNegotiationAreRefused) {
+  size_t index = acceptor_->count();
+  RawPeer peer(port_);
+  ASSERT_TRUE(peer.connected());
+  ASSERT_TRUE(peer.write(rawHello("raw", false)));
+  ASSERT_EQ(peer.read(16).size(), 16u);
+  auto accepted = acceptor_->waitFor(index);
+  ASSERT_NE(accepted.connection, nullptr);
+  ASSERT_TRUE(peer.write(sharedFrame(0, 10)));
+  ASSERT_TRUE(accepted.inbox->waitForError());
+  EXPECT_EQ(accepted.inbox->errors()[0].code, ErrorCode::kMalformedMessage);
+  EXPECT_NE(
+      accepted.inbox->errors()[0].detail.find(
+          "unexpected zero-copy data frame"),
+      std::string::npos);
+  EXPECT_TRUE(peer.waitClosedByServer());
+  expectListenerHealthy();
+}
+
+} // namespace
+} // namespace rpc
+} // namespace torchrpc
