@@ -27,11 +27,17 @@ namespace {
 
 constexpr unsigned kSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
 
-// The in-use flag, the first word of a segment's header page. Lock-free, so
-// it works across processes mapping the same page.
+// The flags of a segment's header page: in use (the first u32) and
+// retired (the second: its sender freed it, so a receiver's idle mapping
+// only keeps the memory alive). Lock-free, so they work across processes
+// mapping the same page.
 std::atomic<uint32_t>* inUseFlag(void* base) {
   static_assert(std::atomic<uint32_t>::is_always_lock_free, "shared flag");
   return reinterpret_cast<std::atomic<uint32_t>*>(base);
+}
+
+std::atomic<uint32_t>* retiredFlag(void* base) {
+  return reinterpret_cast<std::atomic<uint32_t>*>(base) + 1;
 }
 
 std::string errnoText(const char* what, int error) {
@@ -69,7 +75,9 @@ SegmentSender::~SegmentSender() {
 }
 
 void SegmentSender::destroy(Segment& segment) {
-  // The receiver's mapping, if any, keeps the memory until it unmaps.
+  // The receiver's mapping, if any, keeps the memory until it unmaps; the
+  // flag tells it to unmap first when idle.
+  retiredFlag(segment.base)->store(1, std::memory_order_release);
   ::munmap(segment.base, segment.bytes);
   ::close(segment.fd);
   chargedBytes_->fetch_sub(segment.bytes, std::memory_order_relaxed);
@@ -218,13 +226,22 @@ void releaseSegmentView(void* context) {
 SegmentReceiver::~SegmentReceiver() = default;
 
 void SegmentReceiver::evictIdle() {
+  // Retired segments first: the sender will not send them again.
   size_t idle = 0;
-  for (const auto& entry : mapped_) {
-    idle += entry.second->held.load(std::memory_order_acquire) ? 0 : 1;
+  for (auto it = mapped_.begin(); it != mapped_.end();) {
+    if (it->second->held.load(std::memory_order_acquire)) {
+      ++it;
+    } else if (
+        retiredFlag(it->second->base)->load(std::memory_order_acquire) != 0) {
+      it = mapped_.erase(it);
+    } else {
+      ++idle;
+      ++it;
+    }
   }
-  // Oldest (lowest id) first.
+  // Then the oldest (lowest id) beyond the bound, leaving room for one more.
   for (auto it = mapped_.begin();
-       it != mapped_.end() && idle > kMaxIdleMappings;) {
+       it != mapped_.end() && idle >= kMaxIdleMappings;) {
     if (!it->second->held.load(std::memory_order_acquire)) {
       it = mapped_.erase(it);
       --idle;
@@ -283,8 +300,9 @@ std::string SegmentReceiver::view(
     auto mapping = std::make_shared<Mapping>();
     mapping->base = base;
     mapping->bytes = static_cast<size_t>(st.st_size);
-    it = mapped_.emplace(placement.segment, std::move(mapping)).first;
+    // Before the insertion: it must not evict the mapping we return.
     evictIdle();
+    it = mapped_.emplace(placement.segment, std::move(mapping)).first;
   }
   const std::shared_ptr<Mapping>& mapping = it->second;
   if (length > mapping->bytes - kSegmentDataOffset) {

@@ -34,7 +34,7 @@ namespace tcp {
 // view of that mapping: the receiver copies nothing.
 //
 // A segment is a sealed memfd (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
-// of one page of header and a data area. The header's first word is the
+// of one page of header and a data area. The header's first u32 is the
 // in-use flag: the sender sets it before it copies a tensor in, and the
 // receiver clears it when the storage of the tensor it made of the segment
 // dies. A sender reuses a segment whose flag is clear, so after the first
@@ -68,8 +68,10 @@ namespace tcp {
 // memory anyway (the same ptrace rights), so that adds no exposure.
 //
 // A receiver keeps its mappings for reuse (at most kMaxIdleMappings not
-// held by a tensor per connection); a tensor keeps its mapping alive after
-// the connection and the sender are gone.
+// held by a tensor per connection, and none of a segment whose sender
+// retired it: the header's second u32, set when a sender frees a segment
+// to make room in its budget); a tensor keeps its mapping alive after the
+// connection and the sender are gone.
 
 constexpr size_t kSegmentDataOffset = 4096;
 
