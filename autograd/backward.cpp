@@ -4,17 +4,19 @@
 
 #include "torchrpc/autograd/context_container.h"
 #include "torchrpc/autograd/engine/dist_engine.h"
+#include "torchrpc/rpc/future.h"
 
 namespace torchrpc {
 namespace autograd {
 
 namespace {
 
+// As rpc::Future::wait(): the waiting thread reads the answers that
+// complete the pass itself (Note [Waiting callers drive the transport] in
+// rpc/detail/wait_drivers.h), instead of being woken by the thread that
+// read them. Rethrows the pass's error.
 void waitAndRethrow(const c10::intrusive_ptr<c10::ivalue::Future>& future) {
-  future->wait();
-  if (future->hasError()) {
-    std::rethrow_exception(future->exception_ptr());
-  }
+  rpc::Future<void>(future).wait();
 }
 
 } // namespace

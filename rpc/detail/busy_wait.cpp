@@ -99,6 +99,16 @@ void spinUntilCompleted(
       break;
     }
   }
+  // Not answered yet: sleep in the loop that brings the answer, if this
+  // thread may (Note [Waiting callers drive the transport]).
+  driving.blockUntil(
+      [&future]() { return future.completed(); },
+      [&future](std::function<void()> wake) {
+        // The future is heap-allocated and shared (an intrusive_ptr's
+        // target): a callback may be added through any reference.
+        const_cast<c10::ivalue::Future&>(future).addCallback(
+            [wake = std::move(wake)](c10::ivalue::Future&) { wake(); });
+      });
   driving.end(future.completed());
 }
 

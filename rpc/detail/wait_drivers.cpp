@@ -90,6 +90,27 @@ bool DrivingScope::driveOnce() {
   return ran;
 }
 
+void DrivingScope::blockUntil(
+    const std::function<bool()>& done,
+    const std::function<void(std::function<void()>)>& addWake) {
+  if (!drivers_ || drivers_->size() != 1 || done()) {
+    return;
+  }
+  const std::shared_ptr<WaitDriver>& driver = drivers_->front();
+  std::weak_ptr<WaitDriver> weak = driver;
+  addWake([weak]() {
+    if (auto alive = weak.lock()) {
+      alive->wakeBlockedDriver();
+    }
+  });
+  EventLoopThreadScope inLoop;
+  while (!done()) {
+    if (!driver->driveBlocking(kBlockingSlice, done)) {
+      return; // the caller sleeps on its future instead
+    }
+  }
+}
+
 void DrivingScope::end(bool answered) {
   if (!drivers_) {
     return;

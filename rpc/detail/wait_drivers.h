@@ -3,6 +3,8 @@
 // Threads that wait for a future drive the transport that brings the
 // answer. See Note [Waiting callers drive the transport].
 
+#include <chrono>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -31,6 +33,21 @@ namespace detail {
 // thread will within kDriverLinger: messages nobody waits for (a peer's
 // requests, heartbeats) are read at most that late after a wait ended.
 //
+// A waiter whose answer has not come when its spin ends (a call that runs
+// for milliseconds) would sleep on its future, and the answer would then
+// cost two wake-ups: the io thread's, in epoll, to read it, and the
+// waiter's, on the future. Instead, one waiter at a time per loop sleeps
+// in the loop itself (io_context::run_one_for, so in epoll): the answer
+// wakes that thread alone, which reads it and finds its future complete.
+// A future completed some other way (another thread, a timeout, a local
+// result) wakes it through a callback that posts an empty handler to the
+// loop; each sleep is bounded by kBlockingSlice anyway. While it sleeps
+// there, it is the loop's thread (the io thread stands by as for any
+// driver); other waiters sleep on their futures, as the io thread's
+// readers would wake them. join() wakes it as it closes the loop to
+// drivers. Only when a wait drives exactly one loop: no thread can sleep
+// in two.
+//
 // What a waiter runs is what the io thread would: reads, the handlers of
 // cheap functions (Note [Where messages are handled]) and future
 // callbacks. A thread drives only the loops registered here (TCP
@@ -52,7 +69,21 @@ class WaitDriver {
   // The thread stops driving; `answered` is false when it stops before its
   // future completed (it will sleep: the loop's own thread takes over).
   virtual void endDriving(bool answered) = 0;
+  // Sleeps in the loop until it ran something or `timeout` passed, unless
+  // `done()` holds once this thread is registered as the sleeper (so that
+  // a wakeBlockedDriver() racing with the sleep is not lost). False, at
+  // once, when this thread may not sleep there: another thread does
+  // already, or the loop is closed to drivers or has no work left.
+  virtual bool driveBlocking(
+      std::chrono::microseconds timeout,
+      const std::function<bool()>& done) = 0;
+  // Makes the thread sleeping in driveBlocking() return (any thread).
+  virtual void wakeBlockedDriver() = 0;
 };
+
+// How long a waiter sleeps in a loop before it checks again that its
+// future is pending and the loop open (a safety net: it is woken).
+constexpr std::chrono::milliseconds kBlockingSlice{50};
 
 // Keeps `driver` registered until destroyed.
 class WaitDriverRegistration {
@@ -78,6 +109,13 @@ class DrivingScope {
 
   // One non-blocking step of every loop; true if any ran something.
   bool driveOnce();
+  // Sleeps in the loop until `done()`, when this wait drives exactly one
+  // loop and no other thread sleeps there; returns at once otherwise, or
+  // when the loop closes to drivers. `addWake` is given the function that
+  // wakes the sleeper, to call when done() becomes true by other means.
+  void blockUntil(
+      const std::function<bool()>& done,
+      const std::function<void(std::function<void()>)>& addWake);
   void end(bool answered);
 
  private:

@@ -174,7 +174,12 @@ TEST_P(RRefApi, DeletionsToOneOwnerTravelTogether) {
   EXPECT_TRUE(cluster_->waitForEmptyTables());
   auto deletions = rt(0).agent().counters().requestsSent - before;
   EXPECT_GE(deletions, 1u);
-  EXPECT_LT(deletions, 32u) << "64 deletions took " << deletions << " messages";
+  // One deletion is in flight per owner and the rest wait to go together
+  // when it is answered; how many go per message depends on how fast the
+  // owner answers while the loop above drops the others (usually a handful
+  // of messages; 47 once with two test binaries sharing two cores). Without
+  // batching it would be 64.
+  EXPECT_LT(deletions, 64u) << "64 deletions took " << deletions << " messages";
 }
 
 TEST_P(RRefApi, RemoteRunsBuiltinOperators) {

@@ -26,6 +26,9 @@ using Clock = std::chrono::steady_clock;
 constexpr std::chrono::microseconds kDriverLinger{200};
 constexpr std::chrono::microseconds kStandByWait{200};
 
+// The loop the current thread slept in during its current drive, if any.
+thread_local const IoPolling* tlsSleptIn = nullptr;
+
 std::atomic<int>& pollingSlotHolders() {
   static std::atomic<int> count{0};
   return count;
@@ -131,9 +134,12 @@ bool IoPolling::driversActive() const {
 
 bool IoPolling::standByForDrivers() {
   standBys_.fetch_add(1, std::memory_order_relaxed);
-  // With no driver left, only until the linger ends.
+  // With no driver left, only until the linger ends; while a driver sleeps
+  // in the loop, until it is done (endDriving() wakes us).
   std::chrono::nanoseconds wait = kStandByWait;
-  if (drivers_.load() == 0) {
+  if (sleepingDrives_.load() > 0) {
+    wait = kBlockingSlice;
+  } else if (drivers_.load() == 0) {
     wait = std::min(
         wait,
         kDriverLinger -
@@ -149,6 +155,71 @@ bool IoPolling::standByForDrivers() {
 
 void IoPolling::beginDriving() {
   drivers_.fetch_add(1);
+}
+
+bool IoPolling::driveBlocking(
+    std::chrono::microseconds timeout,
+    const std::function<bool()>& done) {
+  drivesRunning_.fetch_add(1);
+  struct Leave {
+    std::atomic<int>& running;
+    ~Leave() {
+      running.fetch_sub(1);
+    }
+  } leave{drivesRunning_};
+  // An io thread asleep in the loop holds the reactor: the answer would
+  // wake it, not us; then we sleep on the future as before.
+  bool expected = false;
+  if (sleepingIoThreads_.load() > 0 ||
+      !blockedDriver_.compare_exchange_strong(expected, true)) {
+    return false;
+  }
+  struct Unblock {
+    std::atomic<bool>& blocked;
+    ~Unblock() {
+      blocked.store(false);
+    }
+  } unblock{blockedDriver_};
+  // Checked after counting in and claiming the slot: closeToDrivers() sets
+  // the flag, then wakes the claimer until the count drops.
+  if (closedToDrivers_.load() || io_.stopped()) {
+    return false;
+  }
+  // Claimed before this check: a waker that completes the wait after it
+  // sees blockedDriver_ set and posts.
+  if (done()) {
+    return true;
+  }
+  if (tlsSleptIn != this) {
+    tlsSleptIn = this;
+    sleepingDrives_.fetch_add(1);
+  }
+  const auto start = Clock::now();
+  try {
+    if (io_.run_one_for(timeout) > 0) {
+      return true;
+    }
+  } catch (const std::exception& e) {
+    TORCHRPC_LOG(kError) << "TcpTransport: callback threw on a thread "
+                         << "waiting for a reply: " << e.what();
+    return true;
+  }
+  // Nothing ran: the slice passed, or the loop has no work left (it then
+  // returns at once) or stopped.
+  return !io_.stopped() && Clock::now() - start >= timeout / 2;
+}
+
+void IoPolling::wakeBlockedDriver() {
+  if (blockedDriver_.load()) {
+    // A post wakes one thread of the loop: an idle one first, else the one
+    // in epoll. If an io thread went to sleep in the loop after the driver
+    // did, the first post may wake it (it then stands by), the second the
+    // driver.
+    boost::asio::post(io_, []() {});
+    if (sleepingIoThreads_.load() > 0) {
+      boost::asio::post(io_, []() {});
+    }
+  }
 }
 
 bool IoPolling::driveOnce() {
@@ -177,6 +248,19 @@ void IoPolling::endDriving(bool answered) {
   lastDriveEnd_.store(
       Clock::now().time_since_epoch().count(),
       std::memory_order_relaxed);
+  if (tlsSleptIn == this) {
+    // The io thread stands by without a timeout meanwhile: tell it.
+    tlsSleptIn = nullptr;
+    sleepingDrives_.fetch_sub(1);
+    if (drivers_.fetch_sub(1) == 1) {
+      if (!answered) {
+        lastDriveEnd_.store(0, std::memory_order_relaxed);
+      }
+      std::lock_guard<std::mutex> lock(standByMutex_);
+      standByCv_.notify_all();
+    }
+    return;
+  }
   if (drivers_.fetch_sub(1) == 1 && !answered) {
     // The waiter will sleep on its future: the io thread must read the
     // answer, now rather than at its next check.
@@ -196,6 +280,7 @@ void IoPolling::closeToDrivers() {
   // microseconds, unless a handler broke that rule.
   const auto deadline = Clock::now() + std::chrono::seconds(10);
   while (drivesRunning_.load() > 0) {
+    wakeBlockedDriver();
     if (Clock::now() > deadline) {
       TORCHRPC_LOG(kWarning)
           << "TcpTransport: a thread waiting for a reply has run one of its "

@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 
@@ -82,6 +83,14 @@ class IoPolling {
   // exceptions are logged, not thrown into the waiter.
   bool driveOnce();
   void endDriving(bool answered);
+  // io.run_one_for(timeout) on the calling thread, the one thread allowed
+  // to sleep in the loop as a driver; true if it slept (Note [Waiting
+  // callers drive the transport]).
+  bool driveBlocking(
+      std::chrono::microseconds timeout,
+      const std::function<bool()>& done);
+  // Wakes the thread in driveBlocking(), if any.
+  void wakeBlockedDriver();
   // No thread drives once this returns (bounded: a drive step runs only
   // ready handlers, which must not block).
   void closeToDrivers();
@@ -119,6 +128,13 @@ class IoPolling {
   // Threads inside driveOnce(), and whether new ones are refused.
   std::atomic<int> drivesRunning_{0};
   std::atomic<bool> closedToDrivers_{false};
+  // A driver sleeps in the loop (driveBlocking): at most one at a time, so
+  // that wakeBlockedDriver()'s empty handler reaches it.
+  std::atomic<bool> blockedDriver_{false};
+  // Drives (begun, not ended) whose thread slept in the loop: the io thread
+  // then stands by without checking every kStandByWait, and is woken when
+  // such a drive ends.
+  std::atomic<int> sleepingDrives_{0};
   std::atomic<uint64_t> standBys_{0};
   std::mutex standByMutex_;
   std::condition_variable standByCv_;

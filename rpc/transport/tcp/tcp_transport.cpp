@@ -104,6 +104,14 @@ class TcpWaitDriver : public WaitDriver {
   void endDriving(bool answered) override {
     context_->polling.endDriving(answered);
   }
+  bool driveBlocking(
+      std::chrono::microseconds timeout,
+      const std::function<bool()>& done) override {
+    return context_->polling.driveBlocking(timeout, done);
+  }
+  void wakeBlockedDriver() override {
+    context_->polling.wakeBlockedDriver();
+  }
 
  private:
   const std::shared_ptr<TcpContext> context_;

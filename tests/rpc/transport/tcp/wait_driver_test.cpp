@@ -5,9 +5,13 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <time.h>
+
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -27,20 +31,28 @@ using namespace harness;
 using torchrpc::testing::Gate;
 using torchrpc::testing::OpenOnExit;
 
-detail::TcpTransportOptions pollingOptions(std::string name, bool poll) {
+detail::TcpTransportOptions pollingOptions(
+    std::string name,
+    std::chrono::microseconds poll) {
   auto options = testOptions(std::move(name));
-  options.pollAfterTraffic =
-      poll ? std::chrono::microseconds(1000) : std::chrono::microseconds(0);
+  options.pollAfterTraffic = poll;
   options.pollWhileAwaiting = std::chrono::microseconds(0);
   return options;
+}
+
+std::chrono::microseconds pollFor(bool poll) {
+  return poll ? std::chrono::microseconds(1000) : std::chrono::microseconds(0);
 }
 
 // The client's two connections to one server: messages on `held` block the
 // client's io thread in their callback until the gate opens; messages on
 // `talk` are counted with the thread that read them.
 struct HeldClient {
-  explicit HeldClient(bool poll)
-      : server(pollingOptions("server", poll)),
+  explicit HeldClient(bool poll) : HeldClient(pollFor(poll), pollFor(poll)) {}
+  HeldClient(
+      std::chrono::microseconds poll,
+      std::chrono::microseconds serverPoll)
+      : server(pollingOptions("server", serverPoll)),
         client(pollingOptions("client", poll)),
         acceptor(server) {
     held = client.connect(server.address());
@@ -126,6 +138,111 @@ TEST(TcpWaitDriver, TheIoThreadReadsAgainOnceNoOneDrives) {
       [&]() { return c.received.load() == 2; },
       kTimeout));
   EXPECT_NE(c.readBy, std::this_thread::get_id());
+}
+
+// CPU time of the calling thread.
+std::chrono::microseconds threadCpuTime() {
+  timespec t{};
+  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return std::chrono::microseconds(
+      int64_t(t.tv_sec) * 1000000 + t.tv_nsec / 1000);
+}
+
+// With polling after traffic for a second, the client's io thread never
+// sleeps in epoll during these tests: it stands by while a waiter drives,
+// so the reactor is the waiter's. The server polls not at all, so that
+// the client's is the one loop a wait drives (a thread sleeps in one loop
+// only).
+constexpr std::chrono::microseconds kLongPoll = std::chrono::seconds(1);
+constexpr std::chrono::microseconds kNoPoll{0};
+
+TEST(TcpWaitDriver, AWaiterPastItsSpinSleepsInTheLoopAndReadsItsAnswer) {
+  HeldClient c(kLongPoll, kNoPoll);
+  ASSERT_NE(c.serverTalk, nullptr);
+  for (int i = 1; i <= 3; ++i) {
+    std::function<void()> wake;
+    detail::DrivingScope driving;
+    std::thread answer([&]() {
+      std::this_thread::sleep_for(std::chrono::milliseconds(40));
+      c.serverTalk->send(makeMessage("answer"), [](const TransportError*) {});
+    });
+    const auto cpuBefore = threadCpuTime();
+    driving.blockUntil(
+        [&]() { return c.received.load() == i; },
+        [&](std::function<void()> w) { wake = std::move(w); });
+    const auto cpu = threadCpuTime() - cpuBefore;
+    driving.end(c.received.load() == i);
+    answer.join();
+    ASSERT_EQ(c.received.load(), i);
+    // Read here, by the sleeping waiter, not by the io thread.
+    EXPECT_EQ(c.readBy, std::this_thread::get_id());
+    EXPECT_TRUE(static_cast<bool>(wake));
+    // It slept for the 40 ms rather than spun.
+    EXPECT_LT(cpu, std::chrono::milliseconds(20));
+  }
+}
+
+TEST(TcpWaitDriver, ASleepingWaiterWakesWhenDoneByAnotherThread) {
+  HeldClient c(kLongPoll, kNoPoll);
+  ASSERT_NE(c.serverTalk, nullptr);
+  std::atomic<bool> done{false};
+  std::function<void()> wake;
+  std::mutex wakeMutex;
+  Clock::time_point doneAt;
+  std::thread other([&]() {
+    // Early in the sleeper's first kBlockingSlice: unwoken, it would sleep
+    // about 45 ms more.
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    doneAt = Clock::now();
+    done.store(true);
+    std::lock_guard<std::mutex> lock(wakeMutex);
+    ASSERT_TRUE(static_cast<bool>(wake));
+    wake();
+  });
+  {
+    detail::DrivingScope driving;
+    driving.blockUntil(
+        [&]() { return done.load(); },
+        [&](std::function<void()> w) {
+          std::lock_guard<std::mutex> lock(wakeMutex);
+          wake = std::move(w);
+        });
+    driving.end(done.load());
+  }
+  const auto woke = Clock::now();
+  other.join();
+  EXPECT_TRUE(done.load());
+  // Woken by the call, not by the end of a kBlockingSlice (50 ms) sleep.
+  EXPECT_LT(woke - doneAt, detail::kBlockingSlice / 2);
+}
+
+TEST(TcpWaitDriver, JoinWakesAWaiterSleepingInTheLoop) {
+  HeldClient c(kLongPoll, kNoPoll);
+  ASSERT_NE(c.serverTalk, nullptr);
+  std::atomic<bool> sleeping{false};
+  std::atomic<bool> returned{false};
+  std::thread waiter([&]() {
+    detail::DrivingScope driving;
+    driving.blockUntil(
+        [&]() {
+          sleeping.store(true);
+          return false; // an answer that never comes
+        },
+        [](std::function<void()>) {});
+    returned.store(true);
+  });
+  ASSERT_TRUE(torchrpc::testing::eventually(
+      [&]() { return sleeping.load(); },
+      kTimeout));
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  const auto start = Clock::now();
+  c.client.join();
+  // join() closed the loop to drivers and woke the sleeper: no 10 s wait.
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(5));
+  ASSERT_TRUE(torchrpc::testing::eventually(
+      [&]() { return returned.load(); },
+      kTimeout));
+  waiter.join();
 }
 
 TEST(TcpWaitDriver, WithoutPollingTheIoThreadKeepsTheLoop) {
