@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/eventually.h"
 #include "tests/support/tcp_peers.h"
 #include "tests/support/transport_harness.h"
 #include "torchrpc/rpc/transport/tcp/tcp_transport.h"
@@ -239,7 +240,11 @@ TEST(TcpBufferedReads, RepliesSentWhileAReadIsParsedGoOutTogetherAfterIt) {
   for (int i = 0; i < kMessages; ++i) {
     EXPECT_EQ(replies[i].header, "re: m" + std::to_string(i));
   }
-  EXPECT_EQ(written.load(), kMessages);
+  // A reply's done runs once its write returned, which may be after the
+  // client read it.
+  EXPECT_TRUE(torchrpc::testing::eventually(
+      [&]() { return written.load() == kMessages; },
+      kTimeout));
   // Each went out once the read that brought its request was parsed, not
   // from inside the callback.
   EXPECT_EQ(writtenInsideCallback.load(), 0);
