@@ -249,7 +249,7 @@ void IoPolling::endDriving(bool answered) {
       Clock::now().time_since_epoch().count(),
       std::memory_order_relaxed);
   if (tlsSleptIn == this) {
-    // The io thread stands by without a timeout meanwhile: tell it.
+    // The io thread stood by with a long timeout meanwhile: tell it.
     tlsSleptIn = nullptr;
     sleepingDrives_.fetch_sub(1);
     if (drivers_.fetch_sub(1) == 1) {
