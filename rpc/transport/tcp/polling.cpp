@@ -26,6 +26,19 @@ using Clock = std::chrono::steady_clock;
 constexpr std::chrono::microseconds kDriverLinger{200};
 constexpr std::chrono::microseconds kStandByWait{200};
 
+// Counts the calling thread in `count` for its scope.
+struct CountedIn {
+  explicit CountedIn(std::atomic<int>& c) : count(c) {
+    count.fetch_add(1);
+  }
+  ~CountedIn() {
+    count.fetch_sub(1);
+  }
+  CountedIn(const CountedIn&) = delete;
+  CountedIn& operator=(const CountedIn&) = delete;
+  std::atomic<int>& count;
+};
+
 // The loop the current thread slept in during its current drive, if any.
 thread_local const IoPolling* tlsSleptIn = nullptr;
 
@@ -107,15 +120,7 @@ void IoPolling::run() {
 }
 
 size_t IoPolling::sleepUntilWork() {
-  struct Counted {
-    std::atomic<int>& count;
-    explicit Counted(std::atomic<int>& c) : count(c) {
-      count.fetch_add(1);
-    }
-    ~Counted() {
-      count.fetch_sub(1);
-    }
-  } counted(sleepingIoThreads_);
+  CountedIn sleeping(sleepingIoThreads_);
   return io_.run_one();
 }
 
@@ -160,13 +165,7 @@ void IoPolling::beginDriving() {
 bool IoPolling::driveBlocking(
     std::chrono::microseconds timeout,
     const std::function<bool()>& done) {
-  drivesRunning_.fetch_add(1);
-  struct Leave {
-    std::atomic<int>& running;
-    ~Leave() {
-      running.fetch_sub(1);
-    }
-  } leave{drivesRunning_};
+  CountedIn running(drivesRunning_);
   // An io thread asleep in the loop holds the reactor: the answer would
   // wake it, not us; then we sleep on the future as before.
   bool expected = false;
@@ -223,13 +222,7 @@ void IoPolling::wakeBlockedDriver() {
 }
 
 bool IoPolling::driveOnce() {
-  drivesRunning_.fetch_add(1);
-  struct Leave {
-    std::atomic<int>& running;
-    ~Leave() {
-      running.fetch_sub(1);
-    }
-  } leave{drivesRunning_};
+  CountedIn running(drivesRunning_);
   // Checked after counting in: closeToDrivers() sets the flag, then waits
   // for the count, so no drive starts after it returned.
   if (closedToDrivers_.load() || io_.stopped()) {

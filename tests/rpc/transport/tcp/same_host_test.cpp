@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/support/patterned_bytes.h"
 #include "tests/support/tcp_peers.h"
 #include "tests/support/transport_harness.h"
 #include "torchrpc/rpc/transport/tcp/same_host.h"
@@ -137,21 +138,6 @@ detail::TcpTransportOptions cmaOptions(std::string name) {
 }
 
 constexpr size_t kZeroCopyMin = size_t(256) << 10;
-
-// Distinct bytes per tensor, so a swapped or shifted tensor shows.
-at::Tensor patterned(size_t nbytes, int seed) {
-  auto tensor = at::empty({static_cast<int64_t>(nbytes)}, at::kByte);
-  auto* data = tensor.data_ptr<uint8_t>();
-  for (size_t i = 0; i < nbytes; ++i) {
-    data[i] = static_cast<uint8_t>((i * 131 + seed * 7 + (i >> 12)) & 0xff);
-  }
-  return tensor;
-}
-
-bool sameBytes(const at::Tensor& got, const at::Tensor& want) {
-  return got.nbytes() == want.nbytes() &&
-      std::memcmp(got.data_ptr(), want.data_ptr(), want.nbytes()) == 0;
-}
 
 std::vector<size_t> zeroCopySizes() {
   return {

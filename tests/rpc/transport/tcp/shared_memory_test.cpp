@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/patterned_bytes.h"
 #include "tests/support/tcp_peers.h"
 #include "tests/support/transport_harness.h"
 #include "torchrpc/rpc/transport/tcp/frame.h"
@@ -39,22 +40,6 @@ using detail::tcp::SegmentSender;
 using detail::tcp::viewsSharedSegment;
 
 constexpr size_t kMiB = size_t(1) << 20;
-
-// Distinct bytes per tensor, so a swapped, shifted or overwritten tensor
-// shows.
-at::Tensor patterned(size_t nbytes, int seed) {
-  auto tensor = at::empty({static_cast<int64_t>(nbytes)}, at::kByte);
-  auto* data = tensor.data_ptr<uint8_t>();
-  for (size_t i = 0; i < nbytes; ++i) {
-    data[i] = static_cast<uint8_t>((i * 131 + seed * 7 + (i >> 12)) & 0xff);
-  }
-  return tensor;
-}
-
-bool sameBytes(const at::Tensor& got, const at::Tensor& want) {
-  return got.nbytes() == want.nbytes() &&
-      std::memcmp(got.data_ptr(), want.data_ptr(), want.nbytes()) == 0;
-}
 
 std::shared_ptr<std::atomic<size_t>> budget() {
   return std::make_shared<std::atomic<size_t>>(0);
