@@ -54,6 +54,7 @@ TcpConnectionImpl::TcpConnectionImpl(
       handshakeTimer_(strand_),
       heartbeatTimer_(strand_),
       handshake_(role),
+      segmentsIn_(context_->options.limits.maxMessageBytes),
       describe_(std::move(peer)),
       segmentsOut_(
           context_->segmentBytes,

@@ -150,14 +150,19 @@ SegmentSender::Segment* SegmentSender::acquireLocked(size_t capacity) {
   return segments_.back().get();
 }
 
-std::optional<SegmentPlacement> SegmentSender::copyIn(
-    const at::Tensor& tensor) {
-  const size_t nbytes = tensor.nbytes();
+size_t segmentBytesFor(size_t nbytes) {
   // Bucketed as the receive pool does, so that sizes differing by a few
-  // bytes share a segment.
+  // bytes share a segment; whole pages.
   const size_t capacity =
       (ReceiveBufferPool::bucketCapacity(nbytes) + kSegmentDataOffset - 1) &
       ~(kSegmentDataOffset - 1);
+  return kSegmentDataOffset + capacity;
+}
+
+std::optional<SegmentPlacement> SegmentSender::copyIn(
+    const at::Tensor& tensor) {
+  const size_t nbytes = tensor.nbytes();
+  const size_t capacity = segmentBytesFor(nbytes) - kSegmentDataOffset;
   Segment* segment = nullptr;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -223,6 +228,9 @@ void releaseSegmentView(void* context) {
 
 } // namespace
 
+SegmentReceiver::SegmentReceiver(size_t maxTensorBytes)
+    : maxSegmentBytes_(segmentBytesFor(maxTensorBytes)) {}
+
 SegmentReceiver::~SegmentReceiver() = default;
 
 void SegmentReceiver::evictIdle() {
@@ -279,6 +287,12 @@ std::string SegmentReceiver::view(
         ::fstat(fd, &st) != 0 || st.st_size < 0 ||
         static_cast<uint64_t>(st.st_size) < kSegmentDataOffset) {
       refusal = "shared segment is too small";
+    } else if (static_cast<uint64_t>(st.st_size) > maxSegmentBytes_) {
+      // Address space, not memory, but a peer gets no more of it than a
+      // segment for the largest tensor we accept.
+      refusal =
+          "shared segment is larger than any tensor this connection "
+          "accepts";
     }
     void* base = MAP_FAILED;
     if (refusal.empty()) {

@@ -60,12 +60,14 @@ namespace tcp {
 //
 // What a receiver checks before it maps: the fd is a memfd on tmpfs (not
 // hugetlbfs, whose pages may run out) sealed against shrinking, so no
-// access through the mapping can fault (SIGBUS); the tensor lies within it;
-// and the segment is not one it still holds, so a peer that reuses a
-// segment too early fails the connection instead of changing a tensor we
-// were given. What it cannot check: that the sender leaves the bytes alone
-// afterwards. A process that can map our segments can read and write our
-// memory anyway (the same ptrace rights), so that adds no exposure.
+// access through the mapping can fault (SIGBUS); it is no larger than a
+// segment for the largest tensor the connection accepts; the tensor lies
+// within it; and the segment is not one it still holds, so a peer that
+// reuses a segment too early fails the connection instead of changing a
+// tensor we were given. What it cannot check: that the sender leaves the
+// bytes alone afterwards. A process that can map our segments can read and
+// write our memory anyway (the same ptrace rights), so that adds no
+// exposure.
 //
 // A receiver keeps its mappings for reuse (at most kMaxIdleMappings not
 // held by a tensor per connection, and none of a segment whose sender
@@ -74,6 +76,10 @@ namespace tcp {
 // connection and the sender are gone.
 
 constexpr size_t kSegmentDataOffset = 4096;
+
+// The bytes of a segment (header page included) that holds a tensor of
+// `nbytes`: what a sender makes, and what a receiver expects at most.
+size_t segmentBytesFor(size_t nbytes);
 
 // What a frame says of a tensor that travels in a segment.
 struct SegmentPlacement {
@@ -122,7 +128,8 @@ class SegmentSender {
 // time (a connection's strand); the tensors it hands out may die anywhere.
 class SegmentReceiver {
  public:
-  SegmentReceiver() = default;
+  // Segments larger than one for a tensor of maxTensorBytes are refused.
+  explicit SegmentReceiver(size_t maxTensorBytes);
   ~SegmentReceiver();
   SegmentReceiver(const SegmentReceiver&) = delete;
   SegmentReceiver& operator=(const SegmentReceiver&) = delete;
@@ -145,6 +152,7 @@ class SegmentReceiver {
   struct Mapping;
   void evictIdle();
 
+  const size_t maxSegmentBytes_;
   std::map<uint64_t, std::shared_ptr<Mapping>> mapped_;
 };
 

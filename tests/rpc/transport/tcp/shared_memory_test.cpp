@@ -40,6 +40,8 @@ using detail::tcp::SegmentSender;
 using detail::tcp::viewsSharedSegment;
 
 constexpr size_t kMiB = size_t(1) << 20;
+// The largest tensor the receivers of these tests accept.
+constexpr size_t kMaxTensor = 64 * kMiB;
 
 std::shared_ptr<std::atomic<size_t>> budget() {
   return std::make_shared<std::atomic<size_t>>(0);
@@ -50,7 +52,7 @@ std::shared_ptr<std::atomic<size_t>> budget() {
 TEST(SharedSegments, ReceiverViewsWhatTheSenderCopiedAndReusesItOnceDropped) {
   auto charged = budget();
   SegmentSender sender(charged, 64 * kMiB);
-  SegmentReceiver receiver;
+  SegmentReceiver receiver(kMaxTensor);
   const at::Tensor want = patterned(3 * kMiB, 1);
 
   auto first = sender.copyIn(want);
@@ -95,7 +97,7 @@ TEST(SharedSegments, AReceivedTensorOutlivesSenderAndReceiver) {
   auto charged = budget();
   {
     SegmentSender sender(charged, 8 * kMiB);
-    SegmentReceiver receiver;
+    SegmentReceiver receiver(kMaxTensor);
     auto placed = sender.copyIn(want);
     ASSERT_TRUE(placed.has_value());
     ASSERT_EQ(receiver.view(::getpid(), *placed, want.nbytes(), got), "");
@@ -108,10 +110,14 @@ TEST(SharedSegments, AReceivedTensorOutlivesSenderAndReceiver) {
 }
 
 TEST(SharedSegments, TheBudgetBoundsSegmentsAndIdleOnesMakeRoom) {
+  // The default the README states: at most 1 GiB of segments per worker.
+  EXPECT_EQ(
+      detail::TcpTransportOptions().sharedMemoryMaxBytes,
+      size_t(1) << 30);
   auto charged = budget();
   // Room for two 1 MiB segments (each with its header page), not three.
   SegmentSender sender(charged, 2 * kMiB + 2 * 4096 + 100);
-  SegmentReceiver receiver;
+  SegmentReceiver receiver(kMaxTensor);
   auto a = sender.copyIn(patterned(kMiB, 1));
   auto b = sender.copyIn(patterned(kMiB, 2));
   ASSERT_TRUE(a && b);
@@ -138,7 +144,7 @@ TEST(SharedSegments, TheBudgetBoundsSegmentsAndIdleOnesMakeRoom) {
 }
 
 TEST(SharedSegments, TheReceiverRefusesWhatCouldFaultOrIsNotASegment) {
-  SegmentReceiver receiver;
+  SegmentReceiver receiver(kMaxTensor);
   at::Tensor out;
   const pid_t self = ::getpid();
 
@@ -158,6 +164,19 @@ TEST(SharedSegments, TheReceiverRefusesWhatCouldFaultOrIsNotASegment) {
       receiver.view(self, SegmentPlacement{2, unsealed}, 10, out),
       "shared segment is not sealed against shrinking");
   ::close(unsealed);
+
+  // A sealed memfd, but larger than a segment for the largest tensor the
+  // receiver accepts.
+  int huge = ::memfd_create("huge", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_GE(huge, 0);
+  ASSERT_EQ(
+      ::ftruncate(huge, off_t(detail::tcp::segmentBytesFor(kMaxTensor)) + 4096),
+      0);
+  ASSERT_EQ(::fcntl(huge, F_ADD_SEALS, F_SEAL_SHRINK), 0);
+  EXPECT_EQ(
+      receiver.view(self, SegmentPlacement{5, huge}, 10, out),
+      "shared segment is larger than any tensor this connection accepts");
+  ::close(huge);
 
   EXPECT_EQ(
       receiver.view(self, SegmentPlacement{3, 1 << 30}, 10, out),
@@ -187,7 +206,7 @@ TEST(SharedSegments, TheReceiverRefusesWhatCouldFaultOrIsNotASegment) {
 TEST(SharedSegments, IdleMappingsAreBounded) {
   auto charged = budget();
   SegmentSender sender(charged, 256 * kMiB);
-  SegmentReceiver receiver;
+  SegmentReceiver receiver(kMaxTensor);
   std::vector<at::Tensor> held;
   // Held mappings all stay; idle ones beyond the bound are dropped.
   const size_t count = detail::tcp::kMaxIdleMappings + 8;
