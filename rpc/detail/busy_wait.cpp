@@ -67,6 +67,10 @@ bool yieldUnlessContended() {
 
 void setContentionBackoffEnabled(bool enabled) {
   backoffEnabled.store(enabled, std::memory_order_relaxed);
+  if (!enabled) {
+    // A back-off already running would otherwise last its 50 ms more.
+    backoffUntilNs.store(0, std::memory_order_relaxed);
+  }
 }
 
 int64_t contendedBackoffs() {

@@ -62,7 +62,8 @@ int64_t contendedBackoffs();
 
 // For tests of the spinning policies themselves, which would read a busy
 // test machine's back-off as their failure: while disabled, long yields
-// start no back-off. On by default.
+// start no back-off, and disabling ends a back-off under way. On by
+// default.
 void setContentionBackoffEnabled(bool enabled);
 
 } // namespace detail

@@ -19,9 +19,9 @@
 #include <thread>
 #include <vector>
 
+#include "tests/support/no_contention_backoff.h"
 #include "tests/support/tcp_peers.h"
 #include "tests/support/transport_harness.h"
-#include "torchrpc/rpc/detail/busy_wait.h"
 #include "torchrpc/rpc/transport/tcp/polling.h"
 #include "torchrpc/rpc/transport/tcp/tcp_transport.h"
 #include "torchrpc/rpc/transport/transport.h"
@@ -103,18 +103,11 @@ detail::TcpTransportOptions quietOptions(std::string name) {
   return options;
 }
 
-// These tests measure the polling policy itself. On a busy machine (the
-// suite's other shards) the io thread's yields would be long, and the
-// process would rightly stop polling (Note [Spinning on a busy machine],
-// tested in busy_wait_test.cpp): turned off here.
+// These tests measure the polling policy itself: no back-off on a busy
+// machine meanwhile.
 class TcpTransportPolling : public ::testing::Test {
- protected:
-  void SetUp() override {
-    detail::setContentionBackoffEnabled(false);
-  }
-  void TearDown() override {
-    detail::setContentionBackoffEnabled(true);
-  }
+ private:
+  torchrpc::testing::NoContentionBackoff noBackoff_;
 };
 
 TEST_F(TcpTransportPolling, PollsAfterTrafficThenSleeps) {

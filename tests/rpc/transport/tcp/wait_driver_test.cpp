@@ -17,6 +17,8 @@
 
 #include "tests/support/eventually.h"
 #include "tests/support/gate.h"
+#include "tests/support/held_tcp_client.h"
+#include "tests/support/no_contention_backoff.h"
 #include "tests/support/tcp_peers.h"
 #include "tests/support/transport_harness.h"
 #include "torchrpc/rpc/detail/wait_drivers.h"
@@ -28,88 +30,6 @@ namespace rpc {
 namespace {
 
 using namespace harness;
-using torchrpc::testing::Gate;
-using torchrpc::testing::OpenOnExit;
-
-detail::TcpTransportOptions pollingOptions(
-    std::string name,
-    std::chrono::microseconds poll) {
-  auto options = testOptions(std::move(name));
-  options.pollAfterTraffic = poll;
-  options.pollWhileAwaiting = std::chrono::microseconds(0);
-  return options;
-}
-
-std::chrono::microseconds pollFor(bool poll) {
-  return poll ? std::chrono::microseconds(1000) : std::chrono::microseconds(0);
-}
-
-// The client's two connections to one server: messages on `held` block the
-// client's io thread in their callback until the gate opens; messages on
-// `talk` are counted with the thread that read them.
-struct HeldClient {
-  explicit HeldClient(bool poll) : HeldClient(pollFor(poll), pollFor(poll)) {}
-  HeldClient(
-      std::chrono::microseconds poll,
-      std::chrono::microseconds serverPoll)
-      : server(pollingOptions("server", serverPoll)),
-        client(pollingOptions("client", poll)),
-        acceptor(server) {
-    held = client.connect(server.address());
-    held->start(
-        [this](Message&&) { gate.pass(std::chrono::seconds(30)); },
-        [](const TransportError&) {});
-    talk = client.connect(server.address());
-    talk->start(
-        [this](Message&&) {
-          readBy = std::this_thread::get_id();
-          received.fetch_add(1);
-        },
-        [](const TransportError&) {});
-    // The server tells the two apart by their first message.
-    held->send(makeMessage("held"), [](const TransportError*) {});
-    talk->send(makeMessage("talk"), [](const TransportError*) {});
-    for (size_t i = 0; i < 2; ++i) {
-      auto accepted = acceptor.waitFor(i);
-      EXPECT_TRUE(accepted.inbox->waitForMessages(1, kTimeout));
-      (accepted.inbox->messages()[0].header == "held" ? serverHeld
-                                                      : serverTalk) =
-          accepted.connection;
-    }
-  }
-
-  // Blocks the client's io thread in `held`'s callback.
-  void holdIoThread() {
-    serverHeld->send(makeMessage("hold"), [](const TransportError*) {});
-    EXPECT_TRUE(gate.waitForWaiting(1));
-  }
-
-  Gate gate;
-  OpenOnExit opener{gate};
-  detail::TcpTransport server;
-  detail::TcpTransport client;
-  Acceptor acceptor;
-  std::shared_ptr<Connection> held;
-  std::shared_ptr<Connection> talk;
-  std::shared_ptr<Connection> serverHeld;
-  std::shared_ptr<Connection> serverTalk;
-  std::atomic<int> received{0};
-  std::thread::id readBy;
-};
-
-// Drives every registered loop until `done` or the deadline.
-template <typename Done>
-bool driveUntil(Done done, std::chrono::milliseconds limit) {
-  detail::DrivingScope driving;
-  const auto deadline = Clock::now() + limit;
-  while (!done() && Clock::now() < deadline) {
-    if (!driving.driveOnce()) {
-      std::this_thread::yield();
-    }
-  }
-  driving.end(done());
-  return done();
-}
 
 TEST(TcpWaitDriver, AWaitingThreadReadsWhileTheIoThreadIsHeld) {
   HeldClient c(/*poll=*/true);
@@ -157,6 +77,8 @@ constexpr std::chrono::microseconds kLongPoll = std::chrono::seconds(1);
 constexpr std::chrono::microseconds kNoPoll{0};
 
 TEST(TcpWaitDriver, AWaiterPastItsSpinSleepsInTheLoopAndReadsItsAnswer) {
+  // The io thread must stay out of epoll, whose reactor the waiter needs.
+  torchrpc::testing::NoContentionBackoff noBackoff;
   HeldClient c(kLongPoll, kNoPoll);
   ASSERT_NE(c.serverTalk, nullptr);
   for (int i = 1; i <= 3; ++i) {
@@ -183,6 +105,8 @@ TEST(TcpWaitDriver, AWaiterPastItsSpinSleepsInTheLoopAndReadsItsAnswer) {
 }
 
 TEST(TcpWaitDriver, ASleepingWaiterWakesWhenDoneByAnotherThread) {
+  // The io thread must stay out of epoll, whose reactor the waiter needs.
+  torchrpc::testing::NoContentionBackoff noBackoff;
   HeldClient c(kLongPoll, kNoPoll);
   ASSERT_NE(c.serverTalk, nullptr);
   std::atomic<bool> done{false};
@@ -217,6 +141,8 @@ TEST(TcpWaitDriver, ASleepingWaiterWakesWhenDoneByAnotherThread) {
 }
 
 TEST(TcpWaitDriver, JoinWakesAWaiterSleepingInTheLoop) {
+  // The io thread must stay out of epoll, whose reactor the waiter needs.
+  torchrpc::testing::NoContentionBackoff noBackoff;
   HeldClient c(kLongPoll, kNoPoll);
   ASSERT_NE(c.serverTalk, nullptr);
   std::atomic<bool> sleeping{false};
