@@ -26,8 +26,14 @@ namespace ip = boost::asio::ip;
 
 namespace {
 
-// sendmsg takes at most IOV_MAX (1024) pieces; a few dozen cover a frame.
-constexpr size_t kMaxIovecs = 64;
+// sendmsg takes at most IOV_MAX (1024) pieces; a frame has two plus one
+// per tensor, so this covers a write of kHoldMaxFrames one-tensor frames.
+constexpr size_t kMaxIovecs = 256;
+
+// Note [Sends held for one write]: which frames may be held (a request
+// of a one-element tensor is about 150 bytes), and how many at most.
+constexpr size_t kHoldMaxFrameBytes = 4096;
+constexpr size_t kHoldMaxFrames = 64;
 
 } // namespace
 
@@ -188,10 +194,16 @@ void TcpConnectionImpl::send(Message&& message, Connection::SendCallback done) {
 }
 
 void TcpConnectionImpl::close(const std::string& why) {
+  std::vector<OutFrame> completed;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (failed_) {
       return;
+    }
+    if (open_ && !queue_.empty() && !waitingWritable_ && fd_ >= 0) {
+      // Frames held for a write (Note [Sends held for one write]) go out
+      // first, as far as the socket takes them without waiting.
+      (void)flushLocked(completed);
     }
     if (open_ && queue_.empty() && !waitingWritable_ && fd_ >= 0) {
       std::string frame = encodeFrameHeader(FrameType::kClose, 0, 0);
@@ -201,6 +213,11 @@ void TcpConnectionImpl::close(const std::string& why) {
           frame.data(),
           frame.size(),
           MSG_NOSIGNAL | MSG_DONTWAIT);
+    }
+  }
+  for (OutFrame& frame : completed) {
+    if (frame.done) {
+      frame.done(nullptr);
     }
   }
   fail(TransportError{
@@ -364,7 +381,13 @@ void TcpConnectionImpl::enqueue(OutFrame frame, bool isData) {
   // Sent from this connection's own read loop while it parses a read: the
   // loop writes it with the rest (uncorkFromLoop). corked_ is read on the
   // strand only.
-  const bool corked = strand_.running_in_this_thread() && corked_;
+  const bool onStrand = strand_.running_in_this_thread();
+  const bool corked = onStrand && corked_;
+  // Sent from elsewhere in dense traffic: held for the loop's next turn
+  // (Note [Sends held for one write]).
+  const bool mayHold = isData && !onStrand &&
+      frame.total <= kHoldMaxFrameBytes && context_->polling.holdsSends();
+  bool post = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (failed_) {
@@ -376,7 +399,12 @@ void TcpConnectionImpl::enqueue(OutFrame frame, bool isData) {
       return;
     } else {
       queue_.push_back(std::move(frame));
-      if (!waitingWritable_ && !corked) {
+      if (waitingWritable_ || corked) {
+        // Written by the pending write, or once the read is parsed.
+      } else if (mayHold && queue_.size() < kHoldMaxFrames) {
+        post = !flushPosted_;
+        flushPosted_ = true;
+      } else {
         writeErrno = flushOrAwaitLocked(completed, &mustWait);
       }
     }
@@ -386,6 +414,43 @@ void TcpConnectionImpl::enqueue(OutFrame frame, bool isData) {
       frame.done(&error);
     }
     return;
+  }
+  if (post) {
+    postFlush();
+    return;
+  }
+  if (mustWait) {
+    auto self = shared_from_this();
+    runOnStrand([self]() { self->awaitWritableFromLoop(); });
+  }
+  finishWrites(completed, writeErrno);
+}
+
+void TcpConnectionImpl::postFlush() {
+  auto self = shared_from_this();
+  {
+    std::lock_guard<std::mutex> lock(context_->postMutex);
+    if (!context_->joined.load()) {
+      // Not to the strand: a flush needs only mutex_, and must not wait
+      // behind a read being parsed.
+      asio::post(context_->io, [self]() { self->flushQueue(); });
+      return;
+    }
+  }
+  flushQueue();
+}
+
+void TcpConnectionImpl::flushQueue() {
+  std::vector<OutFrame> completed;
+  int writeErrno = 0;
+  bool mustWait = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    flushPosted_ = false;
+    if (failed_ || queue_.empty() || waitingWritable_) {
+      return; // nothing held, or writability will flush it
+    }
+    writeErrno = flushOrAwaitLocked(completed, &mustWait);
   }
   if (mustWait) {
     auto self = shared_from_this();

@@ -93,20 +93,7 @@ void TcpConnectionImpl::uncorkFromLoop() {
     return;
   }
   corked_ = false;
-  std::vector<OutFrame> completed;
-  int writeErrno = 0;
-  bool mustWait = false;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (failed_ || queue_.empty() || waitingWritable_) {
-      return; // nothing held back, or writability will flush it
-    }
-    writeErrno = flushOrAwaitLocked(completed, &mustWait);
-  }
-  if (mustWait) {
-    awaitWritableFromLoop();
-  }
-  finishWrites(completed, writeErrno);
+  flushQueue();
 }
 
 void TcpConnectionImpl::drainReadBufferFromLoop() {

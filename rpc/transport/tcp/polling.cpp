@@ -26,6 +26,12 @@ using Clock = std::chrono::steady_clock;
 constexpr std::chrono::microseconds kDriverLinger{200};
 constexpr std::chrono::microseconds kStandByWait{200};
 
+// Note [Sends held for one write]: traffic counts as dense, and a
+// request may wait for the loop's next turn, while this process awaits at
+// least this many replies. A loop of synchronous calls awaits one at a
+// time and never holds; a pipelined window of 64 always does.
+constexpr int64_t kHoldMinAwaited = 8;
+
 // Counts the calling thread in `count` for its scope.
 struct CountedIn {
   explicit CountedIn(std::atomic<int>& c) : count(c) {
@@ -92,6 +98,15 @@ void IoPolling::watchAwaitedReplies(
   TORCH_CHECK(!awaitedOwner_, "watchAwaitedReplies() called twice");
   awaitedOwner_ = std::move(count);
   awaitedReplies_.store(awaitedOwner_.get());
+}
+
+bool IoPolling::holdsSends() const {
+  if (!enabled()) {
+    return false;
+  }
+  const std::atomic<int64_t>* awaited = awaitedReplies_.load();
+  return awaited != nullptr &&
+      awaited->load(std::memory_order_relaxed) >= kHoldMinAwaited;
 }
 
 void IoPolling::run() {

@@ -65,6 +65,12 @@ class IoPolling {
   // The count of replies this process awaits; kept alive here. At most
   // once (throws c10::Error otherwise), before traffic starts.
   void watchAwaitedReplies(std::shared_ptr<const std::atomic<int64_t>> count);
+  // Whether a small data frame sent from outside a connection's read loop
+  // may wait for the loop's next turn (Note [Sends held for one write] in
+  // tcp/connection.h): polling is on, so that turn comes within
+  // microseconds to kDriverLinger, and this process awaits at least
+  // kHoldMinAwaited replies.
+  bool holdsSends() const;
 
   // Runs io's handlers, polling per the policy, until io stops or runs out
   // of work. Exceptions from handlers propagate (the polling slot is given
