@@ -64,7 +64,17 @@ struct ValueTraits {
     return c10::getTypePtrCopy<T>();
   }
   static bool accepts(const c10::IValue& value) {
-    return value.type()->isSubtypeOf(*type());
+    // IValue::type() allocates (a TensorType per tensor, once per argument
+    // of every call): the common kinds are checked on the tag alone.
+    if constexpr (std::is_same<T, at::Tensor>::value) {
+      return value.isTensor();
+    } else if constexpr (std::is_same<T, bool>::value) {
+      return value.isBool();
+    } else if constexpr (std::is_same<T, std::string>::value) {
+      return value.isString();
+    } else {
+      return value.type()->isSubtypeOf(*type());
+    }
   }
   static T from(c10::IValue&& value) {
     return std::move(value).to<T>();

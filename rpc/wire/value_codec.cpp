@@ -699,8 +699,11 @@ uint32_t ValueEncoder::addTensor(const at::Tensor& tensor) {
   }
 
   // detach(): the transport only needs the bytes, and the autograd layer
-  // records edges from the caller's tensor, not from this one.
-  at::Tensor wire = resolveLazyBits(tensor.detach());
+  // records edges from the caller's tensor, not from this one. A tensor
+  // that does not require grad has no edge to cut, and detaching it would
+  // cost a TensorImpl per call.
+  at::Tensor wire =
+      resolveLazyBits(tensor.requires_grad() ? tensor.detach() : tensor);
   if (!device.is_cpu()) {
     wire = wire.to(
         at::kCPU,
