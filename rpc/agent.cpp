@@ -26,6 +26,7 @@
 #include "torchrpc/rpc/detail/lost_workers.h"
 #include "torchrpc/rpc/detail/spinning_thread_pool.h"
 #include "torchrpc/rpc/errors.h"
+#include "torchrpc/rpc/future.h"
 #include "torchrpc/rpc/log_level.h"
 #include "torchrpc/rpc/metrics.h"
 #include "torchrpc/rpc/request_cancellation.h"
@@ -116,6 +117,8 @@ struct PendingCall {
   c10::intrusive_ptr<c10::ivalue::Future> future;
   // See Note [Where messages are handled].
   bool completeOnTransportThread = false;
+  // Note [Replies completed where they are read] in rpc/future.h.
+  std::shared_ptr<detail::InlineCompletion> inlineCompletion;
   std::shared_ptr<AgentConnection> via;
   std::string peerName;
   int64_t peerId = -1;
@@ -151,6 +154,8 @@ struct ServedRequest {
 // the response to a call whose future nobody else can see (rpcSync, marked
 // OutgoingRequest::awaitedSynchronously) is decoded and completed right on
 // the transport thread, since the only thing waiting is the caller's wait().
+// So is the response to an rpcAsync whose future has no callback yet (Note
+// [Replies completed where they are read] in rpc/future.h).
 // Cancel messages are handled on the transport thread too (Note [Cancelled
 // requests]), and so are requests of kinds registered with
 // Dispatch::kInline (hang reports), which must be answered even while every
@@ -431,6 +436,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     call.sentAt = sentAt;
     call.traced = traced;
     call.completeOnTransportThread = request.awaitedSynchronously;
+    call.inlineCompletion = std::move(request.inlineCompletion);
     if (request.timeout.count() > 0) {
       call.deadline = sentAt + request.timeout;
       call.timeout = request.timeout;
@@ -680,8 +686,14 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       uint64_t id) {
     std::lock_guard<std::mutex> guard(mutex_);
     auto it = pending_.find(id);
-    return it != pending_.end() && it->second.via == conn &&
-        it->second.completeOnTransportThread;
+    if (it == pending_.end() || it->second.via != conn) {
+      return false;
+    }
+    const PendingCall& call = it->second;
+    // A claim obliges us to complete the future: onResponse() does, or
+    // whoever erased the call since (a timeout, a lost connection) has.
+    return call.completeOnTransportThread ||
+        (call.inlineCompletion && call.inlineCompletion->claim());
   }
 
   void onUndecodableMessage(

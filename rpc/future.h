@@ -49,6 +49,56 @@ T convertResult(
 void spinUntilCompleted(
     const c10::ivalue::Future& future,
     std::chrono::microseconds limit);
+
+// Note [Replies completed where they are read]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Completing a future runs its callbacks on the completing thread, so the
+// agent hands a response to its pool unless it knows the future has none
+// (Note [Where messages are handled] in rpc/agent.cpp). A future that
+// rpcAsync returns is reachable only through its Future<T> until then() or
+// ivalue() hands it on, and both tell this object first. So the thread that
+// reads the response (the transport's, or a caller's waiting for any reply,
+// Note [Waiting callers drive the transport]) completes it at once when no
+// callback was attached, and the caller's wait() finds it done: no pool
+// thread per reply, which with many calls outstanding on a 2-CPU machine
+// was a third busy thread beside the caller and its peer. The race between
+// a reader completing and a callback being attached is settled here: the
+// reader claims the completion, or the callback side forbids it; a
+// callback side that finds it claimed waits the few microseconds until the
+// claimer has completed the future, then attaches, so its callback runs on
+// its own thread. Internal callbacks that only wake a waiter (busy_wait.cpp)
+// may run on any thread and need not forbid.
+class InlineCompletion {
+ public:
+  // The reading thread: true if it may complete the future itself (it then
+  // must complete it, or leave it to whoever fails the call meanwhile).
+  bool claim() noexcept {
+    int open = kOpen;
+    return state_.compare_exchange_strong(open, kClaimed);
+  }
+
+  // Before anything may attach a callback to `future`: from now on no
+  // reader claims it, and one that already has has completed it when this
+  // returns.
+  void forbid(const c10::ivalue::Future& future) noexcept {
+    int open = kOpen;
+    if (state_.compare_exchange_strong(open, kForbidden) ||
+        open == kForbidden) {
+      return;
+    }
+    // Claimed: the claimer is between claim() and completing, with no
+    // blocking step in between.
+    while (!future.completed()) {
+      std::this_thread::yield();
+    }
+  }
+
+ private:
+  static constexpr int kOpen = 0;
+  static constexpr int kClaimed = 1;
+  static constexpr int kForbidden = 2;
+  std::atomic<int> state_{kOpen};
+};
 } // namespace detail
 
 // A typed handle on a c10::ivalue::Future, the one future type torchrpc and
@@ -81,6 +131,17 @@ class Future {
       : impl_(std::move(impl)),
         worker_(std::move(worker)),
         function_(std::move(function)) {}
+  // A future whose completer may complete it where the reply is read while
+  // no callback is attached (Note [Replies completed where they are read]).
+  Future(
+      c10::intrusive_ptr<c10::ivalue::Future> impl,
+      std::string worker,
+      std::string function,
+      std::shared_ptr<detail::InlineCompletion> inlineCompletion)
+      : impl_(std::move(impl)),
+        worker_(std::move(worker)),
+        function_(std::move(function)),
+        inlineCompletion_(std::move(inlineCompletion)) {}
 
   // Blocks until completion; returns the value or throws the error (an
   // RpcError for everything torchrpc raises). Polls briefly before it
@@ -109,6 +170,7 @@ class Future {
   template <typename F>
   auto then(F&& fn) const {
     using U = typename detail::ThenResult<T, F>::type;
+    forbidInlineCompletion();
     auto child = impl_->then(
         [fn = std::forward<F>(fn),
          worker = worker_,
@@ -130,12 +192,21 @@ class Future {
     return Future<U>(std::move(child), worker_, function_);
   }
 
-  // The underlying libtorch future.
+  // The underlying libtorch future. Its callbacks run on the thread that
+  // completes it, an agent thread.
   const c10::intrusive_ptr<c10::ivalue::Future>& ivalue() const {
+    // Whoever gets it may attach callbacks.
+    forbidInlineCompletion();
     return impl_;
   }
 
  private:
+  void forbidInlineCompletion() const {
+    if (inlineCompletion_) {
+      inlineCompletion_->forbid(*impl_);
+    }
+  }
+
   static constexpr std::chrono::microseconds kWaitSpin{1000};
 
   template <typename U, typename F, typename... Args>
@@ -151,6 +222,9 @@ class Future {
   c10::intrusive_ptr<c10::ivalue::Future> impl_;
   std::string worker_;
   std::string function_;
+  // Shared with the agent's pending call; null when the agent never
+  // completes this future where the reply is read.
+  std::shared_ptr<detail::InlineCompletion> inlineCompletion_;
 };
 
 template <>

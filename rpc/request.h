@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,10 @@
 
 namespace torchrpc {
 namespace rpc {
+
+namespace detail {
+class InlineCompletion; // rpc/future.h
+} // namespace detail
 
 // Message kinds. Each layer declares its own and registers a handler for
 // each at start-up; rpc/ owns [1, 15], later layers take ranges above.
@@ -113,6 +118,11 @@ struct OutgoingRequest {
   // anyone who could attach callbacks: the response is then completed on
   // the transport's thread, saving a hand-off (see agent.cpp).
   bool awaitedSynchronously = false;
+  // Set when the returned future is shown only through a Future<T> holding
+  // the same object: the response is then completed on the thread that
+  // reads it unless a callback was attached first (Note [Replies completed
+  // where they are read] in rpc/future.h).
+  std::shared_ptr<detail::InlineCompletion> inlineCompletion;
 };
 
 } // namespace rpc

@@ -587,7 +587,8 @@ c10::intrusive_ptr<c10::ivalue::Future> Caller::send(
     const WorkerRef& to,
     const std::string& function,
     std::vector<c10::IValue> args,
-    bool awaitedSynchronously) const {
+    bool awaitedSynchronously,
+    std::shared_ptr<detail::InlineCompletion> inlineCompletion) const {
   OutgoingRequest request;
   request.kind = kCallMessageKind;
   request.body = function;
@@ -595,6 +596,7 @@ c10::intrusive_ptr<c10::ivalue::Future> Caller::send(
   request.what = function;
   request.timeout = timeout_;
   request.awaitedSynchronously = awaitedSynchronously;
+  request.inlineCompletion = std::move(inlineCompletion);
   return runtime_.agent_->send(to, std::move(request));
 }
 

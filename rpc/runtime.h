@@ -49,10 +49,19 @@ class Caller {
     std::vector<c10::IValue> values;
     values.reserve(sizeof...(Args));
     (values.push_back(detail::toIValue(std::forward<Args>(args))), ...);
+    // The future is shown only through the Future<R>: Note [Replies
+    // completed where they are read].
+    auto inlineCompletion = std::make_shared<detail::InlineCompletion>();
     return Future<R>(
-        callBoxed(to, function, std::move(values)),
+        send(
+            to,
+            function,
+            std::move(values),
+            /*awaited=*/false,
+            inlineCompletion),
         to.describe(),
-        function);
+        function,
+        inlineCompletion);
   }
 
   // Like rpcAsync(...).wait(): returns the result or throws the RpcError.
@@ -82,7 +91,9 @@ class Caller {
       const WorkerRef& to,
       const std::string& function,
       std::vector<c10::IValue> args,
-      bool awaitedSynchronously) const;
+      bool awaitedSynchronously,
+      std::shared_ptr<detail::InlineCompletion> inlineCompletion =
+          nullptr) const;
 
   Runtime& runtime_;
   std::chrono::milliseconds timeout_;
