@@ -72,10 +72,15 @@ std::string endpointString(const boost::asio::ip::tcp::endpoint& endpoint);
 // delivers forty. Frames that the handlers send back on the same
 // connection meanwhile (replies of cheap functions, acks) wait until the
 // read is parsed and then go out in one write, so forty replies cost one
-// sendmsg too. Only a part whose missing bytes are large (at least
-// kDirectReadBytes) is read straight into its destination, so a big
-// tensor still lands in its storage without a copy, while a small one is
-// copied out of the buffer (counted as copied, not zero-copy, bytes).
+// sendmsg too, but never more than kCorkMaxFrames in one: a read of a
+// whole window of pipelined requests would otherwise hold the first reply
+// until the last request was handled, and the caller, with nothing to
+// read meanwhile, would idle while we work and we while it works. Writing
+// every kCorkMaxFrames replies lets both sides work at once. Only a part whose
+// missing bytes are large (at least kDirectReadBytes) is read straight into its
+// destination, so a big tensor still lands in its storage without a copy, while
+// a small one is copied out of the buffer (counted as copied, not zero-copy,
+// bytes).
 //
 // The caps of Note [TCP transport wire format] are checked as before,
 // before anything a frame announces is allocated; the buffer itself is
