@@ -625,10 +625,16 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       }
       return;
     }
-    if (envelope->is_response() &&
-        completesOnTransportThread(conn, envelope->id())) {
-      onResponse(conn, *envelope, std::move(message.tensors), arrived);
-      return;
+    if (envelope->is_response()) {
+      if (auto call = takeForTransportThread(conn, envelope->id())) {
+        completeCall(
+            conn,
+            std::move(*call),
+            *envelope,
+            std::move(message.tensors),
+            arrived);
+        return;
+      }
     }
     Clock::time_point deadline = Clock::time_point::max();
     if (!envelope->is_response()) {
@@ -681,19 +687,29 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     });
   }
 
-  bool completesOnTransportThread(
+  // The call a response answers, taken out of pending_, when the response
+  // is completed on the thread that read it (Note [Where messages are
+  // handled]); nullopt when it goes to the pool, or nobody waits for it.
+  std::optional<PendingCall> takeForTransportThread(
       const std::shared_ptr<AgentConnection>& conn,
       uint64_t id) {
     std::lock_guard<std::mutex> guard(mutex_);
     auto it = pending_.find(id);
     if (it == pending_.end() || it->second.via != conn) {
-      return false;
+      return std::nullopt;
     }
-    const PendingCall& call = it->second;
-    // A claim obliges us to complete the future: onResponse() does, or
-    // whoever erased the call since (a timeout, a lost connection) has.
-    return call.completeOnTransportThread ||
-        (call.inlineCompletion && call.inlineCompletion->claim());
+    PendingCall& call = it->second;
+    // Claimed and taken out under one lock: no timeout or lost connection
+    // can complete a claimed call (running other futures' callbacks first),
+    // so only decoding stands between the claim and the completion (Note
+    // [Replies completed where they are read] in rpc/future.h).
+    if (!call.completeOnTransportThread &&
+        !(call.inlineCompletion && call.inlineCompletion->claim())) {
+      return std::nullopt;
+    }
+    PendingCall taken = std::move(call);
+    eraseLocked(it);
+    return taken;
   }
 
   void onUndecodableMessage(
@@ -832,6 +848,17 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
       call = std::move(it->second);
       eraseLocked(it);
     }
+    completeCall(conn, std::move(call), envelope, std::move(tensors), arrived);
+  }
+
+  // Completes `call`, taken out of pending_ by eraseLocked(), with the
+  // response.
+  void completeCall(
+      const std::shared_ptr<AgentConnection>& conn,
+      PendingCall call,
+      const wire::Envelope& envelope,
+      std::vector<at::Tensor>&& tensors,
+      Clock::time_point arrived) {
     Completing completing(*this, 1);
     if (auto error = detail::MessageCodec::statusToError(
             envelope,

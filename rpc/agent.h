@@ -50,10 +50,13 @@ struct AgentCounters {
 // Owned by a Runtime; upper layers plug into it through handlers, hooks and
 // value extensions registered before start().
 //
-// Thread model: transport callbacks only hand messages to the thread pool;
-// decoding, hooks, handlers and future completions run on the pool (or, for
-// completions, wherever the handler's future completes). No lock is held
-// while a future completes or a user callback runs.
+// Thread model: transport callbacks hand messages to the thread pool, where
+// decoding, hooks, handlers and future completions run (or, for
+// completions, wherever the handler's future completes); except that
+// requests of inline kinds and cheap functions are served, and responses
+// whose future can have no callback are decoded and completed, on the
+// thread that read them (Note [Where messages are handled] in agent.cpp).
+// No lock is held while a future completes or a user callback runs.
 //
 // A thin handle: the state lives in an impl that transport callbacks and
 // timers reach through weak pointers, so none outlives what it touches.

@@ -63,11 +63,14 @@ void spinUntilCompleted(
 // thread per reply, which with many calls outstanding on a 2-CPU machine
 // was a third busy thread beside the caller and its peer. The race between
 // a reader completing and a callback being attached is settled here: the
-// reader claims the completion, or the callback side forbids it; a
-// callback side that finds it claimed waits the few microseconds until the
-// claimer has completed the future, then attaches, so its callback runs on
-// its own thread. Internal callbacks that only wake a waiter (busy_wait.cpp)
-// may run on any thread and need not forbid.
+// reader claims the completion, or the callback side forbids it. The agent
+// claims and takes the call out of its table under one lock, so nothing
+// else completes a claimed future, and only decoding the reply (message
+// hooks, value extensions, which must not block) comes between the claim
+// and the completion. A callback side that finds it claimed waits for the
+// completion, then attaches, so its callback runs on its own thread.
+// Internal callbacks that only wake a waiter (busy_wait.cpp) may run on any
+// thread and need not forbid.
 class InlineCompletion {
  public:
   // The reading thread: true if it may complete the future itself (it then
@@ -80,23 +83,25 @@ class InlineCompletion {
   // Before anything may attach a callback to `future`: from now on no
   // reader claims it, and one that already has has completed it when this
   // returns.
-  void forbid(const c10::ivalue::Future& future) noexcept {
+  void forbid(c10::ivalue::Future& future) {
     int open = kOpen;
     if (state_.compare_exchange_strong(open, kForbidden) ||
         open == kForbidden) {
       return;
     }
-    // Claimed: the claimer is between claim() and completing, with no
-    // blocking step in between.
-    while (!future.completed()) {
+    // Claimed: the claimer is decoding the reply, usually for a few
+    // microseconds; past a short spin, sleep until it is done.
+    for (int spins = 0; spins < kClaimedSpins && !future.completed(); ++spins) {
       std::this_thread::yield();
     }
+    future.wait();
   }
 
  private:
   static constexpr int kOpen = 0;
   static constexpr int kClaimed = 1;
   static constexpr int kForbidden = 2;
+  static constexpr int kClaimedSpins = 100;
   std::atomic<int> state_{kOpen};
 };
 } // namespace detail

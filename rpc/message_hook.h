@@ -30,8 +30,11 @@ struct HookContext {
 // to record autograd send/recv edges. onSend runs on the sending thread once
 // the values are encoded; `tensors` are the original tensors, in wire order.
 // Whatever it writes into *metadata travels under the hook's name (nothing
-// travels if it stays empty). onReceive runs on a pool thread before values
-// are decoded; it may replace tensors (keeping the count); metadata is
+// travels if it stays empty). onReceive runs before values are decoded, on
+// a pool thread or, for a response completed where it is read (Note [Where
+// messages are handled] in agent.cpp), on the transport's or a waiting
+// caller's thread, so it must not block; it may replace tensors (keeping
+// the count); metadata is
 // nullptr when the sender attached none. A hook that throws fails that
 // message (kInternal on send, kMalformedMessage on receive).
 struct MessageHook {

@@ -43,17 +43,27 @@ TEST(InlineCompletion, ForbiddingAClaimedCompletionWaitsUntilTheFutureIsDone) {
   auto future = pendingFuture();
   InlineCompletion completion;
   ASSERT_TRUE(completion.claim());
-  std::atomic<bool> forbidReturned{false};
+  std::atomic<bool> entered{false};
+  std::atomic<bool> returned{false};
+  std::atomic<bool> completedWhenReturned{false};
   std::thread callbackSide([&]() {
+    entered.store(true);
     completion.forbid(*future);
     // A callback attached now runs on this thread, not the claimer's.
-    forbidReturned.store(future->completed());
+    completedWhenReturned.store(future->completed());
+    returned.store(true);
   });
+  for (int i = 0; i < 10000 && !entered.load(); ++i) {
+    std::this_thread::sleep_for(100us);
+  }
+  ASSERT_TRUE(entered.load());
+  // Past its spin, forbid() sleeps on the future: still there 30 ms later.
   std::this_thread::sleep_for(30ms);
-  EXPECT_FALSE(future->completed());
+  EXPECT_FALSE(returned.load());
   future->markCompleted(int64_t(7));
   callbackSide.join();
-  EXPECT_TRUE(forbidReturned.load());
+  EXPECT_TRUE(returned.load());
+  EXPECT_TRUE(completedWhenReturned.load());
 }
 
 std::unique_ptr<LocalCluster> cluster(rpc::TransportKind kind) {
