@@ -191,42 +191,51 @@ TEST_F(TcpBufferedReadsTest, SmallTensorsAloneAreCountedAsCopied) {
   EXPECT_EQ(after.zeroCopyBytes - before.zeroCopyBytes, 0u);
 }
 
-TEST(TcpBufferedReads, RepliesSentWhileAReadIsParsedGoOutTogetherAfterIt) {
-  detail::TcpTransport server(testOptions("server"));
-  detail::TcpTransport client(testOptions("client"));
-  // The server answers every message from its read callback, as a cheap
-  // function's reply is sent, and notes whether the reply was written
-  // (its done ran) before the callback returned.
-  std::atomic<int> writtenInsideCallback{0};
-  std::atomic<int> written{0};
-  std::vector<std::shared_ptr<Connection>> accepted;
-  std::mutex acceptedMutex;
-  server.listen([&](std::shared_ptr<Connection> connection) {
-    std::weak_ptr<Connection> weak = connection;
-    connection->start(
-        [&, weak](Message&& message) {
-          auto self = weak.lock();
-          if (!self) {
-            return;
-          }
-          auto inside = std::make_shared<std::atomic<bool>>(true);
-          self->send(
-              makeMessage("re: " + message.header),
-              [&, inside](const TransportError* error) {
-                if (error == nullptr) {
-                  written.fetch_add(1);
-                  if (inside->load()) {
-                    writtenInsideCallback.fetch_add(1);
+// A TCP server that answers every message from its read callback, as a
+// cheap function's reply is sent, and counts the replies whose write
+// returned (their done ran) before that callback did: those were written
+// by their own send, not after the read was parsed.
+struct ReplyingServer {
+  ReplyingServer() : transport(testOptions("server")) {
+    transport.listen([this](std::shared_ptr<Connection> connection) {
+      std::weak_ptr<Connection> weak = connection;
+      connection->start(
+          [this, weak](Message&& message) {
+            auto self = weak.lock();
+            if (!self) {
+              return;
+            }
+            auto inside = std::make_shared<std::atomic<bool>>(true);
+            self->send(
+                makeMessage("re: " + message.header),
+                [this, inside](const TransportError* error) {
+                  if (error == nullptr) {
+                    written.fetch_add(1);
+                    if (inside->load()) {
+                      writtenInsideCallback.fetch_add(1);
+                    }
                   }
-                }
-              });
-          inside->store(false);
-        },
-        [](const TransportError&) {});
-    std::lock_guard<std::mutex> lock(acceptedMutex);
-    accepted.push_back(std::move(connection));
-  });
-  auto connection = client.connect(server.address());
+                });
+            inside->store(false);
+          },
+          [](const TransportError&) {});
+      std::lock_guard<std::mutex> lock(acceptedMutex);
+      accepted.push_back(std::move(connection));
+    });
+  }
+
+  std::atomic<int> written{0};
+  std::atomic<int> writtenInsideCallback{0};
+  std::mutex acceptedMutex;
+  std::vector<std::shared_ptr<Connection>> accepted;
+  // Last: destroyed first, while the counters it calls back into live.
+  detail::TcpTransport transport;
+};
+
+TEST(TcpBufferedReads, RepliesSentWhileAReadIsParsedGoOutTogetherAfterIt) {
+  ReplyingServer server;
+  detail::TcpTransport client(testOptions("client"));
+  auto connection = client.connect(server.transport.address());
   auto inbox = startWithInbox(connection);
   constexpr int kMessages = 100;
   for (int i = 0; i < kMessages; ++i) {
@@ -243,53 +252,22 @@ TEST(TcpBufferedReads, RepliesSentWhileAReadIsParsedGoOutTogetherAfterIt) {
   // A reply's done runs once its write returned, which may be after the
   // client read it.
   EXPECT_TRUE(torchrpc::testing::eventually(
-      [&]() { return written.load() == kMessages; },
+      [&]() { return server.written.load() == kMessages; },
       kTimeout));
   // Each went out once the read that brought its request was parsed, not
   // from inside the callback, unless it was the 32nd waiting: that one
   // writes the 32 (Note [Buffered frame reads]). The client sent each
   // message with its own write, so a read may bring many.
-  EXPECT_LE(writtenInsideCallback.load(), kMessages / 32);
+  EXPECT_LE(server.writtenInsideCallback.load(), kMessages / 32);
   EXPECT_TRUE(inbox->errors().empty());
   connection->close();
   client.join();
-  server.join();
+  server.transport.join();
 }
 
 TEST(TcpBufferedReads, RepliesToOneReadGoOutThirtyTwoAtATime) {
-  detail::TcpTransport server(testOptions("server"));
-  // Every request is answered from the read callback; a reply whose write
-  // returned before the callback did was written by that send itself.
-  std::atomic<int> writtenInsideCallback{0};
-  std::atomic<int> written{0};
-  std::vector<std::shared_ptr<Connection>> accepted;
-  std::mutex acceptedMutex;
-  server.listen([&](std::shared_ptr<Connection> connection) {
-    std::weak_ptr<Connection> weak = connection;
-    connection->start(
-        [&, weak](Message&& message) {
-          auto self = weak.lock();
-          if (!self) {
-            return;
-          }
-          auto inside = std::make_shared<std::atomic<bool>>(true);
-          self->send(
-              makeMessage("re: " + message.header),
-              [&, inside](const TransportError* error) {
-                if (error == nullptr) {
-                  written.fetch_add(1);
-                  if (inside->load()) {
-                    writtenInsideCallback.fetch_add(1);
-                  }
-                }
-              });
-          inside->store(false);
-        },
-        [](const TransportError&) {});
-    std::lock_guard<std::mutex> lock(acceptedMutex);
-    accepted.push_back(std::move(connection));
-  });
-  RawPeer peer(portOf(server.address()));
+  ReplyingServer server;
+  RawPeer peer(portOf(server.transport.address()));
   ASSERT_TRUE(peer.connected());
   ASSERT_TRUE(peer.write(rawHello("raw", false)));
   ASSERT_EQ(peer.read(16).substr(0, 4), "TRPC"); // the welcome's header
@@ -300,13 +278,13 @@ TEST(TcpBufferedReads, RepliesToOneReadGoOutThirtyTwoAtATime) {
   }
   ASSERT_TRUE(peer.write(burst)); // one send() of about 2 KB: one read
   EXPECT_TRUE(torchrpc::testing::eventually(
-      [&]() { return written.load() == kRequests; },
+      [&]() { return server.written.load() == kRequests; },
       kTimeout));
   // Held until the read was parsed, but not all 64: the 32nd and the 64th
   // reply each wrote the 32 waiting (Note [Buffered frame reads]).
-  EXPECT_EQ(writtenInsideCallback.load(), 2);
+  EXPECT_EQ(server.writtenInsideCallback.load(), 2);
   peer.close();
-  server.join();
+  server.transport.join();
 }
 
 } // namespace
