@@ -73,8 +73,8 @@ void spinUntilCompleted(
 // thread and need not forbid.
 class InlineCompletion {
  public:
-  // The reading thread: true if it may complete the future itself (it then
-  // must complete it, or leave it to whoever fails the call meanwhile).
+  // The reading thread: true if it may complete the future itself; it then
+  // must, having taken the call out of the table under the same lock.
   bool claim() noexcept {
     int open = kOpen;
     return state_.compare_exchange_strong(open, kClaimed);
