@@ -6,6 +6,7 @@
 #include <ATen/core/jit_type.h>
 #include <c10/core/DeviceType.h>
 #include <c10/util/Exception.h>
+#include <c10/util/FunctionRef.h>
 
 #include <limits>
 #include <sstream>
@@ -323,9 +324,11 @@ c10::Device decodeDevice(int32_t type, int32_t index, const char* what) {
 }
 
 // Views the bytes the transport delivered as a contiguous tensor of `dtype`
-// and `sizes`, without a copy. See Note [Wire format], guarantee 3.
+// and `sizes`, without a copy. See Note [Wire format], guarantee 3. `what`
+// names the tensor in an error; it is only called then, since building the
+// name costs more than decoding a small tensor.
 at::Tensor viewWireBytes(
-    const std::string& what,
+    c10::function_ref<std::string()> what,
     c10::ScalarType dtype,
     c10::IntArrayRef sizes,
     const at::Tensor& wire) {
@@ -333,7 +336,7 @@ at::Tensor viewWireBytes(
       !wire.device().is_cpu() || wire.layout() != at::kStrided ||
       wire.storage_offset() != 0 || !wire.is_contiguous()) {
     throwMalformed(concat(
-        what,
+        what(),
         ": the transport delivered ",
         wire.defined() ? wire.toString() : std::string("undefined"),
         ", expected a contiguous 1-D CPU byte tensor at offset 0"));
@@ -343,28 +346,28 @@ at::Tensor viewWireBytes(
   // Contiguous strides; every size counts as at least 1 so that a tensor
   // with a zero dimension still has strides that cannot overflow.
   const int dims = static_cast<int>(sizes.size());
-  std::vector<int64_t> strides(dims);
+  at::DimVector strides(dims);
   int64_t extent = 1;
   int64_t numel = 1;
   for (int d = dims - 1; d >= 0; --d) {
     int64_t size = sizes[d];
     if (size < 0) {
-      throwMalformed(concat(what, ": negative size ", size));
+      throwMalformed(concat(what(), ": negative size ", size));
     }
     strides[d] = extent;
     if (__builtin_mul_overflow(extent, std::max<int64_t>(size, 1), &extent)) {
-      throwMalformed(concat(what, ": sizes overflow"));
+      throwMalformed(concat(what(), ": sizes overflow"));
     }
     numel *= size; // Cannot overflow: numel <= extent.
   }
   int64_t extentBytes = 0;
   if (__builtin_mul_overflow(extent, itemSize, &extentBytes)) {
-    throwMalformed(concat(what, ": sizes overflow"));
+    throwMalformed(concat(what(), ": sizes overflow"));
   }
   const int64_t nbytes = numel * itemSize;
   if (nbytes != wire.numel()) {
     throwMalformed(concat(
-        what,
+        what(),
         ": descriptor needs ",
         nbytes,
         " bytes but ",
@@ -372,8 +375,16 @@ at::Tensor viewWireBytes(
         " arrived"));
   }
 
-  at::Tensor tensor = at::empty({0}, at::TensorOptions().dtype(dtype));
-  tensor.set_(wire.storage(), /*storage_offset=*/0, sizes, strides);
+  // A CPU tensor on the wire tensor's storage, made directly: at::empty()
+  // then set_(), two trips through the dispatcher, cost six times as much,
+  // which for a small tensor was most of its decoding (bench/RESULTS.md).
+  // The result is what set_() made: the same storage, dispatch keys and
+  // autograd state.
+  at::Tensor tensor = at::detail::make_tensor<c10::TensorImpl>(
+      c10::Storage(wire.storage()),
+      c10::DispatchKeySet(c10::DispatchKey::CPU),
+      caffe2::TypeMeta::fromScalarType(dtype));
+  tensor.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides);
   return tensor;
 }
 
@@ -407,7 +418,7 @@ at::Tensor rebuildStrided(
     const wire::TensorDesc& desc,
     const at::Tensor& wire) {
   at::Tensor tensor = viewWireBytes(
-      concat("tensor ", i),
+      [&] { return concat("tensor ", i); },
       wireDtype(i, desc),
       c10::IntArrayRef(desc.sizes().data(), desc.sizes_size()),
       wire);
@@ -483,14 +494,14 @@ at::Tensor rebuildSparse(
     }
   }
   at::Tensor indices = viewWireBytes(
-      concat("tensor ", i, " (indices)"),
+      [&] { return concat("tensor ", i, " (indices)"); },
       at::kLong,
       {sparseDim, nnz},
       wireIndices);
   std::vector<int64_t> valueSizes{nnz};
   valueSizes.insert(valueSizes.end(), sizes.begin() + sparseDim, sizes.end());
   at::Tensor values = viewWireBytes(
-      concat("tensor ", i, " (values)"),
+      [&] { return concat("tensor ", i, " (values)"); },
       dtype,
       valueSizes,
       wireValues);

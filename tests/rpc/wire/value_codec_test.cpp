@@ -261,6 +261,36 @@ TEST(ValueCodec, ReceivedTensorIsLeafSharingWireBytes) {
   EXPECT_TRUE(at::equal(decoded.detach(), (tensor * 2).detach()));
 }
 
+// The decoder builds the received tensor's TensorImpl itself (no
+// dispatcher call): it must be what at::empty() and set_() made before.
+TEST(ValueCodec, ReceivedTensorIsAnOrdinaryCpuTensor) {
+  auto tensor = at::arange(24, at::kDouble).reshape({2, 3, 4});
+  auto received = throughWire(encodeMessage({tensor, tensor.sum()}));
+  auto wireStorage = received.tensors.at(0).storage();
+  auto values = decodeMessage(received);
+  auto decoded = values.at(0).toTensor();
+  auto scalar = values.at(1).toTensor();
+  auto reference = at::empty({2, 3, 4}, at::kDouble);
+  EXPECT_EQ(decoded.key_set(), reference.key_set());
+  EXPECT_EQ(decoded.sizes(), reference.sizes());
+  EXPECT_EQ(decoded.strides(), reference.strides());
+  EXPECT_TRUE(decoded.is_contiguous());
+  EXPECT_TRUE(decoded.storage().is_alias_of(wireStorage));
+  EXPECT_EQ(decoded.storage_offset(), 0);
+  EXPECT_EQ(scalar.dim(), 0);
+  EXPECT_EQ(scalar.item<double>(), 276.0);
+  EXPECT_TRUE(at::equal(decoded, tensor));
+
+  // Autograd and in-place updates work on it as on any leaf.
+  auto leaf = decoded.requires_grad_(true);
+  (leaf * leaf).sum().backward();
+  EXPECT_TRUE(at::equal(leaf.grad(), tensor * 2));
+  auto version = decoded.detach()._version();
+  decoded.detach().add_(1);
+  EXPECT_EQ(decoded.detach()._version(), version + 1);
+  EXPECT_TRUE(at::equal(decoded.detach(), tensor + 1));
+}
+
 TEST(ValueCodec, SentTensorIsDetached) {
   auto tensor = at::randn({3}).requires_grad_(true);
   auto sent = encodeMessage({tensor});
@@ -662,7 +692,10 @@ TEST(ValueCodecMalformed, ByteCountMismatch) {
   expectMalformed(received, "needs 32 bytes but 24 arrived");
   received = validMessage();
   received.tensors[1] = received.tensors[1].narrow(0, 0, 8).clone();
-  expectMalformed(received, "needs 24 bytes but 8 arrived");
+  // The error names the tensor (its name is built only on failure).
+  expectMalformed(
+      received,
+      "tensor 1: descriptor needs 24 bytes but 8 arrived");
 }
 
 TEST(ValueCodecMalformed, OverflowingSizes) {
