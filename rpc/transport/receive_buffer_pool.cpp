@@ -1,6 +1,7 @@
 #include "torchrpc/rpc/transport/receive_buffer_pool.h"
 
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
@@ -61,8 +62,15 @@ size_t ReceiveBufferPool::bucketCapacity(size_t nbytes) {
 at::Tensor ReceiveBufferPool::allocate(size_t nbytes) {
   auto byteOptions = at::TensorOptions().dtype(at::kByte).device(at::kCPU);
   if (nbytes < options_.minPooledBytes) {
-    // c10's CPU allocator already aligns to 64 bytes.
-    return at::empty({static_cast<int64_t>(nbytes)}, byteOptions);
+    // c10's CPU allocator already aligns to 64 bytes. The CPU kernel of
+    // at::empty, called straight: a small message's tensors are each one of
+    // these, and the trip through the dispatcher cost as much as the
+    // allocation.
+    return at::detail::empty_cpu(
+        {static_cast<int64_t>(nbytes)},
+        at::kByte,
+        /*pin_memory=*/false,
+        c10::nullopt);
   }
   size_t capacity = bucketCapacity(nbytes);
   void* block = nullptr;

@@ -17,6 +17,8 @@ void expectReceiveBuffer(const at::Tensor& tensor, size_t nbytes) {
   EXPECT_EQ(tensor.dim(), 1);
   EXPECT_EQ(tensor.scalar_type(), at::kByte);
   EXPECT_TRUE(tensor.device().is_cpu());
+  // Small buffers skip the dispatcher; they are still ordinary CPU tensors.
+  EXPECT_EQ(tensor.key_set(), at::empty({1}, at::kByte).key_set());
   EXPECT_EQ(tensor.storage_offset(), 0);
   EXPECT_EQ(static_cast<size_t>(tensor.numel()), nbytes);
   EXPECT_EQ(tensor.storage().nbytes(), nbytes);
