@@ -60,7 +60,6 @@ size_t ReceiveBufferPool::bucketCapacity(size_t nbytes) {
 }
 
 at::Tensor ReceiveBufferPool::allocate(size_t nbytes) {
-  auto byteOptions = at::TensorOptions().dtype(at::kByte).device(at::kCPU);
   if (nbytes < options_.minPooledBytes) {
     // c10's CPU allocator already aligns to 64 bytes. The CPU kernel of
     // at::empty, called straight: a small message's tensors are each one of
@@ -89,6 +88,7 @@ at::Tensor ReceiveBufferPool::allocate(size_t nbytes) {
   if (block == nullptr) {
     block = allocateBlock(capacity);
   }
+  auto byteOptions = at::TensorOptions().dtype(at::kByte).device(at::kCPU);
   std::weak_ptr<ReceiveBufferPool> weakPool = weak_from_this();
   // NB: from_blob's deleter runs wherever the last reference to the storage
   // dies, possibly after this pool is gone; the weak_ptr decides.
