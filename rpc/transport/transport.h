@@ -56,6 +56,9 @@ struct TransportStats {
   // Reads from the network that brought bytes (0 where the transport does
   // not count them): messages received per read says how well reads batch.
   uint64_t reads = 0;
+  // Of copiedBytes, those a helper thread copied beside the sending thread
+  // (TCP's shared segments: Note [Copies into shared memory on two cores]).
+  uint64_t helperCopiedBytes = 0;
 };
 
 // One bidirectional, ordered message stream to a peer.

@@ -72,7 +72,8 @@ TcpConnectionImpl::TcpConnectionImpl(
       describe_(std::move(peer)),
       segmentsOut_(
           context_->segmentBytes,
-          context_->options.sharedMemoryMaxBytes) {}
+          context_->options.sharedMemoryMaxBytes,
+          &context_->copier) {}
 
 // ---- Any thread ----
 
@@ -110,7 +111,6 @@ void TcpConnectionImpl::send(Message&& message, Connection::SendCallback done) {
     done(&error);
     return;
   }
-  context_->polling.noteSend();
   const size_t count = message.tensors.size();
   uint64_t tensorBytes = 0;
   const size_t minBytes =
@@ -138,12 +138,20 @@ void TcpConnectionImpl::send(Message&& message, Connection::SendCallback done) {
       mapsUs = peerMapsUs_ && !failed_;
     }
     if (mapsUs) {
+      const size_t parallelCopyMin = context_->options.parallelCopyMinBytes;
       for (size_t i = 0; i < count; ++i) {
         if (lengths[i] < minBytes) {
           continue;
         }
+        const bool bulk = parallelCopyMin > 0 && lengths[i] >= parallelCopyMin;
+        if (bulk) {
+          context_->polling.beginBulkCopy();
+        }
         std::optional<SegmentPlacement> placed =
             segmentsOut_.copyIn(message.tensors[i]);
+        if (bulk) {
+          context_->polling.endBulkCopy();
+        }
         if (!placed) {
           continue; // by address instead
         }
@@ -176,6 +184,9 @@ void TcpConnectionImpl::send(Message&& message, Connection::SendCallback done) {
       }
     }
   }
+  // After any copy above: an io thread woken now to poll for the reply
+  // would have spent the copy taking a core from it.
+  context_->polling.noteSend();
   context_->tensorBytes.fetch_add(
       tensorBytes - copiedBytes,
       std::memory_order_relaxed);

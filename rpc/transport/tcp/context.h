@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "torchrpc/rpc/transport/receive_buffer_pool.h"
+#include "torchrpc/rpc/transport/tcp/parallel_copier.h"
 #include "torchrpc/rpc/transport/tcp/polling.h"
 #include "torchrpc/rpc/transport/tcp/same_host.h"
 #include "torchrpc/rpc/transport/tcp/tcp_transport.h"
@@ -55,6 +56,8 @@ struct TcpContext {
   // options.sharedMemoryMaxBytes.
   const std::shared_ptr<std::atomic<size_t>> segmentBytes =
       std::make_shared<std::atomic<size_t>>(0);
+  // Shares the senders' copies into those segments.
+  ParallelCopier copier{options.parallelCopyMinBytes};
 
   std::mutex mutex;
   bool closed = false;

@@ -81,7 +81,18 @@ void IoPolling::noteSend() {
   }
 }
 
+void IoPolling::beginBulkCopy() {
+  bulkCopies_.fetch_add(1, std::memory_order_relaxed);
+}
+
+void IoPolling::endBulkCopy() {
+  bulkCopies_.fetch_sub(1, std::memory_order_relaxed);
+}
+
 bool IoPolling::keepPolling() const {
+  if (bulkCopies_.load(std::memory_order_relaxed) > 0) {
+    return false;
+  }
   auto quiet = std::chrono::nanoseconds(
       Clock::now().time_since_epoch().count() -
       lastTraffic_.load(std::memory_order_relaxed));

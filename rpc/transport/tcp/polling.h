@@ -62,6 +62,13 @@ class IoPolling {
   void noteSend();
   // Whether an io thread that found nothing to do should poll on.
   bool keepPolling() const;
+  // A sender copies a large tensor into shared memory on two threads (Note
+  // [Copies into shared memory on two cores] in tcp/parallel_copier.h).
+  // Meanwhile io threads do not poll: a polling thread would take a core
+  // the copy needs, and the reply to that message cannot come before it
+  // is sent. The sender's noteSend() afterwards wakes them to poll.
+  void beginBulkCopy();
+  void endBulkCopy();
   // The count of replies this process awaits; kept alive here. At most
   // once (throws c10::Error otherwise), before traffic starts.
   void watchAwaitedReplies(std::shared_ptr<const std::atomic<int64_t>> count);
@@ -118,6 +125,8 @@ class IoPolling {
   const std::chrono::microseconds whileAwaiting_;
   // When a data frame last went out or came in (steady clock, ns).
   std::atomic<int64_t> lastTraffic_{0};
+  // Senders between beginBulkCopy() and endBulkCopy().
+  std::atomic<int> bulkCopies_{0};
   // The count of replies this process awaits (set once; owned by
   // awaitedOwner_).
   std::atomic<const std::atomic<int64_t>*> awaitedReplies_{nullptr};

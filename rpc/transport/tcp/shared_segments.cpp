@@ -64,9 +64,11 @@ struct SegmentSender::Segment {
 
 SegmentSender::SegmentSender(
     std::shared_ptr<std::atomic<size_t>> chargedBytes,
-    size_t maxBytes)
+    size_t maxBytes,
+    ParallelCopier* copier)
     : chargedBytes_(std::move(chargedBytes)),
-      maxBytes_(maxBytes) {}
+      maxBytes_(maxBytes),
+      copier_(copier) {}
 
 SegmentSender::~SegmentSender() {
   for (auto& segment : segments_) {
@@ -173,10 +175,12 @@ std::optional<SegmentPlacement> SegmentSender::copyIn(
   }
   // The segment is ours until the receiver clears its flag: no lock needed
   // to fill it, and only this connection destroys it (after all sends).
-  std::memcpy(
-      static_cast<char*>(segment->base) + kSegmentDataOffset,
-      tensor.data_ptr(),
-      nbytes);
+  void* dst = static_cast<char*>(segment->base) + kSegmentDataOffset;
+  if (copier_ != nullptr) {
+    copier_->copy(dst, tensor.data_ptr(), nbytes);
+  } else {
+    std::memcpy(dst, tensor.data_ptr(), nbytes);
+  }
   return SegmentPlacement{segment->id, segment->fd};
 }
 

@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "torchrpc/rpc/transport/tcp/parallel_copier.h"
+
 namespace torchrpc {
 namespace rpc {
 namespace detail {
@@ -92,10 +94,12 @@ struct SegmentPlacement {
 class SegmentSender {
  public:
   // `chargedBytes` is shared by all senders of a transport and bounds the
-  // bytes of their segments together at `maxBytes`.
+  // bytes of their segments together at `maxBytes`. `copier`, when given,
+  // copies tensors in and outlives the sender; else a plain memcpy does.
   SegmentSender(
       std::shared_ptr<std::atomic<size_t>> chargedBytes,
-      size_t maxBytes);
+      size_t maxBytes,
+      ParallelCopier* copier = nullptr);
   ~SegmentSender();
   SegmentSender(const SegmentSender&) = delete;
   SegmentSender& operator=(const SegmentSender&) = delete;
@@ -119,6 +123,7 @@ class SegmentSender {
 
   const std::shared_ptr<std::atomic<size_t>> chargedBytes_;
   const size_t maxBytes_;
+  ParallelCopier* const copier_;
   mutable std::mutex mutex_;
   uint64_t nextId_ = 1;
   std::vector<std::unique_ptr<Segment>> segments_;

@@ -136,6 +136,7 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
     out.copiedBytes =
         context_->copiedTensorBytes.load(std::memory_order_relaxed);
     out.reads = context_->socketReads.load(std::memory_order_relaxed);
+    out.helperCopiedBytes = context_->copier.helperBytes();
     out.heartbeatMisses =
         context_->heartbeatMisses.load(std::memory_order_relaxed);
     std::lock_guard<std::mutex> guard(context_->mutex);

@@ -60,6 +60,13 @@ struct TcpTransportOptions {
   // connection); 0 turns shared memory off, in both directions. See
   // Note [TCP same-host shared memory] in tcp/shared_segments.h.
   size_t sharedMemoryMaxBytes = size_t(1) << 30;
+  // A tensor of at least this many bytes copied into a shared segment is
+  // copied by the sending thread and the transport's copy helper thread
+  // together: one core's memcpy is far below the memory's bandwidth. The
+  // helper starts on first use and sleeps between copies; 0 turns it off.
+  // See Note [Copies into shared memory on two cores] in
+  // tcp/parallel_copier.h.
+  size_t parallelCopyMinBytes = size_t(1) << 20;
 };
 
 // Transport over TCP with Boost.Asio. The protocol is in three Notes:

@@ -1,9 +1,11 @@
 // The io threads' polling (Note [Polling after traffic],
 // rpc/transport/tcp/polling.h): the slot that lets one io thread per
-// process poll, and polling observed by thread state after traffic and
+// process poll, the policy paused by copies into shared memory, and
+// polling observed by thread state after traffic and
 // while replies are due.
 
 #include <ATen/ATen.h>
+#include <boost/asio/io_context.hpp>
 #include <gtest/gtest.h>
 
 #include <sys/syscall.h>
@@ -46,6 +48,26 @@ TEST(TcpPollingSlot, OneHolderPerProcessAndReleasedOnDestruction) {
   }
   EXPECT_TRUE(first.take()) << "the destructor gave it back";
   first.release();
+}
+
+// ---- The policy as a value ----
+
+TEST(TcpIoPolling, NoPollingWhileASenderCopiesALargeTensorIn) {
+  boost::asio::io_context io;
+  detail::tcp::IoPolling polling(
+      io,
+      std::chrono::seconds(10),
+      std::chrono::seconds(10));
+  polling.noteTraffic();
+  EXPECT_TRUE(polling.keepPolling());
+  // Two senders copying at once: polling resumes after the last.
+  polling.beginBulkCopy();
+  polling.beginBulkCopy();
+  EXPECT_FALSE(polling.keepPolling());
+  polling.endBulkCopy();
+  EXPECT_FALSE(polling.keepPolling());
+  polling.endBulkCopy();
+  EXPECT_TRUE(polling.keepPolling());
 }
 
 // ---- Polling after traffic (Note [Polling after traffic]) ----

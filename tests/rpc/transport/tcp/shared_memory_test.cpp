@@ -3,7 +3,8 @@
 // what a receiver refuses to map), then large tensors through segments
 // within a process and between processes: byte-exact, never overwritten
 // while held, falling back to addresses when the budget is spent, and a
-// negotiated peer that announces a bad segment failing only its connection.
+// negotiated peer that announces a bad segment failing only its connection,
+// and the copy helper sharing the copy in (or turned off).
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -17,6 +18,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tests/support/patterned_bytes.h"
@@ -371,6 +373,47 @@ TEST(TcpSharedMemory, EitherSideTurningItOffMeansNoSegments) {
     EXPECT_TRUE(sameBytes(tensor, patterned(2 * kMiB, 9)));
     EXPECT_FALSE(viewsSharedSegment(tensor));
   }
+}
+
+// Sends large tensors over a same-host pair until the transport reports
+// helper-copied bytes (at most `rounds`); every one must arrive intact in a
+// segment. Returns the sender's helperCopiedBytes.
+uint64_t sendLargeTensors(detail::TcpTransportOptions client, int rounds) {
+  Pair pair(testOptions("server"), std::move(client));
+  const at::Tensor sent = patterned(8 * kMiB + 5, 9);
+  const at::Tensor copy = sent.clone();
+  int received = 0;
+  for (int i = 0; i < rounds; ++i) {
+    pair.connection->send(
+        makeMessage("big", {sent}),
+        [](const TransportError* error) { EXPECT_EQ(error, nullptr); });
+    // Every message is checked and dropped before the next is sent, so the
+    // sender reuses one warm segment.
+    received = i + 2; // the harness's first message is the hello
+    if (!pair.accepted.inbox->waitForMessages(received, kTimeout)) {
+      ADD_FAILURE() << "message " << i << " did not arrive";
+      break;
+    }
+    Message got = pair.accepted.inbox->messages()[received - 1];
+    EXPECT_TRUE(sameBytes(got.tensors.at(0), copy)) << i;
+    EXPECT_TRUE(viewsSharedSegment(got.tensors.at(0))) << i;
+    got = Message();
+    pair.accepted.inbox->releaseTensors();
+    if (pair.client.stats().helperCopiedBytes > 0) {
+      break;
+    }
+  }
+  return pair.client.stats().helperCopiedBytes;
+}
+
+TEST(TcpSharedMemory, LargeTensorsAreCopiedInOnTwoThreads) {
+  EXPECT_GT(sendLargeTensors(testOptions("client"), 200), 0u);
+}
+
+TEST(TcpSharedMemory, WithoutTheCopyHelperTheSenderCopiesAlone) {
+  auto options = testOptions("client");
+  options.parallelCopyMinBytes = 0;
+  EXPECT_EQ(sendLargeTensors(options, 20), 0u);
 }
 
 TEST(TcpSharedMemory, TensorsCrossProcessesAndOutliveTheSender) {
