@@ -973,18 +973,49 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     return lost_.all();
   }
 
+  void markPeersLeaving() {
+    peersLeaving_ = true;
+  }
+
+  void settleDepartures(const std::function<bool(int64_t)>& reachedBarrier) {
+    for (const auto& [id, cause] : departed_.all()) {
+      bool left = false;
+      try {
+        left = reachedBarrier(id);
+      } catch (const std::exception&) {
+        // The store cannot say: a peer not known to have finished is lost.
+      }
+      if (!left) {
+        lost_.add(id, cause); // shutting down: recorded, nobody told
+      }
+    }
+  }
+
+  std::optional<std::string> goneCause(int64_t id) const {
+    if (auto cause = lost_.causeOf(id)) {
+      return cause;
+    }
+    return departed_.causeOf(id);
+  }
+
   void probe(int64_t id) {
     if (closed_ || !workersReady_ || id == self_.id || id < 0 ||
         id >= static_cast<int64_t>(workers_.size()) ||
-        lost_.causeOf(id).has_value()) {
+        goneCause(id).has_value()) {
       return;
     }
     outgoingConnection(workers_[id]);
   }
 
   void workerLost(int64_t id, const std::string& cause) {
-    if (id < 0 || id >= static_cast<int64_t>(workers_.size()) ||
-        !lost_.add(id, cause)) {
+    if (id < 0 || id >= static_cast<int64_t>(workers_.size())) {
+      return;
+    }
+    if (peersLeaving_ && !lost_.causeOf(id)) {
+      departed_.add(id, cause); // left after the last barrier: not a loss
+      return;
+    }
+    if (!lost_.add(id, cause)) {
       return;
     }
     if (refusingCalls_) {
@@ -1893,6 +1924,9 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
   std::atomic<ErrorCode> closeCode_{ErrorCode::kShuttingDown};
 
   detail::LostWorkers lost_;
+  // Peers whose connections ended after markPeersLeaving(): gone, not lost.
+  detail::LostWorkers departed_;
+  std::atomic<bool> peersLeaving_{false};
   std::mutex lostCallbacksMutex_;
   std::vector<WorkerLostCallback> lostCallbacks_;
 
@@ -2030,6 +2064,19 @@ std::optional<std::string> Agent::lostCause(int64_t id) const {
 
 std::map<int64_t, std::string> Agent::lostWorkers() const {
   return impl_->lostWorkers();
+}
+
+void Agent::markPeersLeaving() {
+  impl_->markPeersLeaving();
+}
+
+std::optional<std::string> Agent::goneCause(int64_t id) const {
+  return impl_->goneCause(id);
+}
+
+void Agent::settleDepartures(
+    const std::function<bool(int64_t id)>& reachedBarrier) {
+  impl_->settleDepartures(reachedBarrier);
 }
 
 void Agent::probe(int64_t id) {

@@ -164,6 +164,16 @@ class Agent {
   std::optional<std::string> lostCause(int64_t id) const;
   // Every lost worker's id and cause.
   std::map<int64_t, std::string> lostWorkers() const;
+  // Shutdown, on arriving at the last barrier: peers that pass it may leave
+  // at once, so a peer whose connection ends from now on is recorded as
+  // departed (goneCause), neither reported nor listed in lostWorkers(),
+  // until settleDepartures() tells the ones that had left from the dead.
+  void markPeersLeaving();
+  // Why worker `id` is gone: lost, or departed since markPeersLeaving().
+  std::optional<std::string> goneCause(int64_t id) const;
+  // After the last barrier: a departed peer for which `reachedBarrier` is
+  // false (or throws) had not finished, and is recorded as lost.
+  void settleDepartures(const std::function<bool(int64_t id)>& reachedBarrier);
   // Opens a connection to worker `id` unless there is one, so that its
   // death is found even if no call would go there. Never blocks.
   void probe(int64_t id);

@@ -532,6 +532,7 @@ bool Runtime::shutdown(bool graceful) {
     //    RRefs); barrier "released": every layer's messages were answered.
     // 4. Refuse new calls, barrier "closing", then leave: rank 0 may host
     //    the store and must not go before the others are done with it.
+    //    Peers that end their connections after "closing" have left.
     // Lost workers (Note [Lost workers]) are not waited for; the barriers
     // probe the ranks they still wait for, so a worker that never talked
     // to a dead one finds out too.
@@ -539,7 +540,7 @@ bool Runtime::shutdown(bool graceful) {
     auto& rendezvous = *store_->rendezvous;
     detail::Rendezvous::IsLost isLost = [this](int64_t rank) {
       agent_->probe(rank);
-      return agent_->lostCause(rank).has_value();
+      return agent_->goneCause(rank).has_value();
     };
     clean = agent_->waitForNoPendingCalls(deadline) &&
         rendezvous.barrier("shutdown/drained", deadline, isLost);
@@ -548,9 +549,16 @@ bool Runtime::shutdown(bool graceful) {
     }
     clean = clean && rendezvous.barrier("shutdown/released", deadline, isLost);
     agent_->refuseNewCalls();
-    clean = clean && agent_->waitForNoPendingCalls(deadline) &&
-        rendezvous.barrier("shutdown/closing", deadline, isLost) &&
-        rendezvous.leave(deadline, isLost);
+    clean = clean && agent_->waitForNoPendingCalls(deadline);
+    // Peers that pass "closing" leave at once: from here a connection's
+    // end is a departure, a loss only for a peer that never arrived there
+    // (Note [Lost workers]).
+    agent_->markPeersLeaving();
+    clean = clean && rendezvous.barrier("shutdown/closing", deadline, isLost);
+    agent_->settleDepartures([&rendezvous](int64_t rank) {
+      return rendezvous.arrived("shutdown/closing", rank);
+    });
+    clean = clean && rendezvous.leave(deadline, isLost);
     if (!clean) {
       TORCHRPC_LOG(kWarning)
           << self_.name << ": graceful shutdown did not complete within "

@@ -27,7 +27,15 @@ namespace detail {
 // restarted group meets again as new runtimes. Every layer's
 // RuntimeLayer::workerLost, then the application's callbacks, run once, on
 // the agent's pool; during shutdown (after refuseNewCalls) a loss is only
-// recorded, for the barriers, and nobody is told.
+// recorded, for the barriers, and nobody is told. From the moment this
+// worker arrives at the last barrier ("closing"), a peer that passes it may
+// leave and close its connections while this one still waits or closes:
+// such an end is kept apart as a departure (Agent::goneCause), which the
+// remaining waits do not wait for. After the barrier, a departed peer that
+// had arrived there left; one that had not (or that the store cannot
+// vouch for) is recorded as lost. Without that, a worker would list the
+// peers that finished first as lost.
+
 //
 // Who finds out: every worker that has a connection to the lost one (TCP
 // heartbeats find a hung peer within peerTimeout + heartbeatInterval, a

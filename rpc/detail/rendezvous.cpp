@@ -440,6 +440,10 @@ bool Rendezvous::barrier(
   return waitForLiveRanks(keys, 0, deadline, isLost);
 }
 
+bool Rendezvous::arrived(const std::string& phase, int64_t rank) {
+  return store_->check({key(phase + "/" + std::to_string(rank))});
+}
+
 bool Rendezvous::leave(Clock::time_point deadline, const IsLost& isLost) {
   if (rank_ != 0) {
     // Rank 0 closes the store once every "left" key is there, possibly

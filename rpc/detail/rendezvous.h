@@ -85,6 +85,10 @@ class Rendezvous {
       std::chrono::steady_clock::time_point deadline,
       const IsLost& isLost = nullptr);
 
+  // Whether `rank` reached barrier `phase`; throws c10::Error as the store
+  // does when it cannot be asked.
+  bool arrived(const std::string& phase, int64_t rank);
+
   // The last step of a graceful shutdown: every rank but 0 says it is done
   // with the store; rank 0, which may host the store, waits for all of them
   // that are not lost (until the deadline) so that nobody loses the store
