@@ -86,6 +86,9 @@ void ParallelCopier::copyChunks(Job& job, std::atomic<uint64_t>* counter) {
 }
 
 void ParallelCopier::copy(void* dst, const void* src, size_t n) {
+  if (n == 0) {
+    return; // an empty tensor's pointers may be null, which memcpy forbids
+  }
   if (minBytes_ == 0 || n < minBytes_) {
     std::memcpy(dst, src, n);
     return;
