@@ -35,7 +35,6 @@ namespace detail {
 // had arrived there left; one that had not (or that the store cannot
 // vouch for) is recorded as lost. Without that, a worker would list the
 // peers that finished first as lost.
-
 //
 // Who finds out: every worker that has a connection to the lost one (TCP
 // heartbeats find a hung peer within peerTimeout + heartbeatInterval, a

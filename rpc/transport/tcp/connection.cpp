@@ -138,19 +138,16 @@ void TcpConnectionImpl::send(Message&& message, Connection::SendCallback done) {
       mapsUs = peerMapsUs_ && !failed_;
     }
     if (mapsUs) {
-      const size_t parallelCopyMin = context_->options.parallelCopyMinBytes;
       for (size_t i = 0; i < count; ++i) {
         if (lengths[i] < minBytes) {
           continue;
         }
-        const bool bulk = parallelCopyMin > 0 && lengths[i] >= parallelCopyMin;
-        if (bulk) {
-          context_->polling.beginBulkCopy();
-        }
-        std::optional<SegmentPlacement> placed =
-            segmentsOut_.copyIn(message.tensors[i]);
-        if (bulk) {
-          context_->polling.endBulkCopy();
+        std::optional<SegmentPlacement> placed;
+        {
+          BulkCopyScope bulk(
+              context_->polling,
+              context_->copier.sharesCopyOf(lengths[i]));
+          placed = segmentsOut_.copyIn(message.tensors[i]);
         }
         if (!placed) {
           continue; // by address instead

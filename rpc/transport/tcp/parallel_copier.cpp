@@ -89,7 +89,7 @@ void ParallelCopier::copy(void* dst, const void* src, size_t n) {
   if (n == 0) {
     return; // an empty tensor's pointers may be null, which memcpy forbids
   }
-  if (minBytes_ == 0 || n < minBytes_) {
+  if (!sharesCopyOf(n)) {
     std::memcpy(dst, src, n);
     return;
   }
@@ -124,7 +124,8 @@ void ParallelCopier::copy(void* dst, const void* src, size_t n) {
   // The helper's claimed chunks are being copied: wait for them.
   int spins = 0;
   while (job->done.load(std::memory_order_acquire) < job->chunks) {
-    if (++spins < kSpinsBeforeYield) {
+    if (spins < kSpinsBeforeYield) {
+      ++spins;
       cpuRelax();
     } else {
       std::this_thread::yield();

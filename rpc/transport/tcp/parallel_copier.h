@@ -60,6 +60,10 @@ class ParallelCopier {
 
   // memcpy(dst, src, n), returning once all of it is copied. Thread-safe.
   void copy(void* dst, const void* src, size_t n);
+  // Whether a copy of `n` bytes is offered to the helper.
+  bool sharesCopyOf(size_t n) const {
+    return minBytes_ > 0 && n >= minBytes_;
+  }
 
   // The chunk a copy of `n` bytes is cut into (tests).
   static size_t chunkBytesFor(size_t n);

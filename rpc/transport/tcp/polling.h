@@ -67,6 +67,7 @@ class IoPolling {
   // Meanwhile io threads do not poll: a polling thread would take a core
   // the copy needs, and the reply to that message cannot come before it
   // is sent. The sender's noteSend() afterwards wakes them to poll.
+  // BulkCopyScope pairs them.
   void beginBulkCopy();
   void endBulkCopy();
   // The count of replies this process awaits; kept alive here. At most
@@ -153,6 +154,28 @@ class IoPolling {
   std::atomic<uint64_t> standBys_{0};
   std::mutex standByMutex_;
   std::condition_variable standByCv_;
+};
+
+// Holds polling off (IoPolling::beginBulkCopy) for its lifetime when
+// `active`, also when the copy throws.
+class BulkCopyScope {
+ public:
+  BulkCopyScope(IoPolling& polling, bool active)
+      : polling_(active ? &polling : nullptr) {
+    if (polling_ != nullptr) {
+      polling_->beginBulkCopy();
+    }
+  }
+  ~BulkCopyScope() {
+    if (polling_ != nullptr) {
+      polling_->endBulkCopy();
+    }
+  }
+  BulkCopyScope(const BulkCopyScope&) = delete;
+  BulkCopyScope& operator=(const BulkCopyScope&) = delete;
+
+ private:
+  IoPolling* const polling_;
 };
 
 // At most one io thread of a process polls at a time, so several workers

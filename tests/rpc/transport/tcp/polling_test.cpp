@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -67,6 +68,18 @@ TEST(TcpIoPolling, NoPollingWhileASenderCopiesALargeTensorIn) {
   polling.endBulkCopy();
   EXPECT_FALSE(polling.keepPolling());
   polling.endBulkCopy();
+  EXPECT_TRUE(polling.keepPolling());
+  // The scope the sender uses: only when active, and ended by a throw.
+  {
+    detail::tcp::BulkCopyScope inactive(polling, false);
+    EXPECT_TRUE(polling.keepPolling());
+  }
+  try {
+    detail::tcp::BulkCopyScope active(polling, true);
+    EXPECT_FALSE(polling.keepPolling());
+    throw std::runtime_error("copy failed");
+  } catch (const std::runtime_error&) {
+  }
   EXPECT_TRUE(polling.keepPolling());
 }
 
