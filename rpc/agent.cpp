@@ -1198,6 +1198,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     out.transport.zeroCopyBytes = transport.zeroCopyBytes;
     out.transport.copiedBytes = transport.copiedBytes;
     out.transport.reads = transport.reads;
+    out.transport.helperCopiedBytes = transport.helperCopiedBytes;
     out.transport.connectionsOpen = transport.connectionsOpen;
     out.transport.heartbeatMisses = transport.heartbeatMisses;
     auto pool = pool_.stats();

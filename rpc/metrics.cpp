@@ -433,6 +433,11 @@ std::string formatPrometheus(const Metrics& m) {
        "Tensor bytes copied through a buffer on the way.",
        "counter")
       .sample(transport, static_cast<double>(m.transport.copiedBytes));
+  e.family(
+       "torchrpc_transport_helper_copied_bytes_total",
+       "Of the copied tensor bytes, those a copy helper thread copied.",
+       "counter")
+      .sample(transport, static_cast<double>(m.transport.helperCopiedBytes));
   e.family("torchrpc_transport_connections_open", "Open connections.", "gauge")
       .sample(transport, static_cast<double>(m.transport.connectionsOpen));
   e.family(
@@ -564,7 +569,8 @@ std::string formatMetricsText(const Metrics& m) {
   }
   out << "transport " << m.transport.name << ": " << m.transport.connectionsOpen
       << " connections, zero-copy bytes " << m.transport.zeroCopyBytes
-      << ", copied bytes " << m.transport.copiedBytes << ", heartbeat misses "
+      << ", copied bytes " << m.transport.copiedBytes << " (by the copy helper "
+      << m.transport.helperCopiedBytes << "), heartbeat misses "
       << m.transport.heartbeatMisses << ", reads " << m.transport.reads << "\n";
   for (const auto& layer : m.layers) {
     out << layer.layer << ":\n";

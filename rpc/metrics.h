@@ -111,6 +111,9 @@ struct TransportMetrics {
   // Reads from the network that brought bytes (TCP; 0 elsewhere). Data
   // messages received per read says how many a read carries.
   uint64_t reads = 0;
+  // Of copiedBytes, those the copy helper copied beside the sending thread
+  // (TCP's shared memory; Options::copyHelperMinBytes).
+  uint64_t helperCopiedBytes = 0;
 };
 
 // The pool that runs handlers and continuations.

@@ -46,6 +46,35 @@ int64_t envInt(const char* name, int64_t fallback) {
   return parsed;
 }
 
+// A byte count: an integer, not negative.
+size_t envBytes(const char* name, size_t fallback) {
+  int64_t bytes = envInt(name, static_cast<int64_t>(fallback));
+  TORCH_CHECK(
+      bytes >= 0,
+      "environment variable ",
+      name,
+      " must be a byte count, not negative, got '",
+      env(name),
+      "'");
+  return static_cast<size_t>(bytes);
+}
+
+bool envFlag(const char* name, bool fallback) {
+  const char* value = env(name);
+  if (value == nullptr) {
+    return fallback;
+  }
+  std::string flag = value;
+  TORCH_CHECK(
+      flag == "0" || flag == "1",
+      "environment variable ",
+      name,
+      " must be 1 or 0, got '",
+      value,
+      "'");
+  return flag == "1";
+}
+
 } // namespace
 
 Options Options::fromEnvironment() {
@@ -79,6 +108,13 @@ Options Options::fromEnvironment() {
       pollAwaiting >= 0,
       "TORCHRPC_IO_POLL_AWAIT_US must not be negative");
   options.ioPollWhileAwaiting = std::chrono::microseconds(pollAwaiting);
+  options.sameHostTransfers =
+      envFlag("TORCHRPC_SAME_HOST", options.sameHostTransfers);
+  options.sharedMemoryMaxBytes = envBytes(
+      "TORCHRPC_SHARED_MEMORY_MAX_BYTES",
+      options.sharedMemoryMaxBytes);
+  options.copyHelperMinBytes =
+      envBytes("TORCHRPC_COPY_HELPER_MIN_BYTES", options.copyHelperMinBytes);
   if (const char* transport = env("TORCHRPC_TRANSPORT")) {
     std::string name = transport;
     if (name == "tcp") {

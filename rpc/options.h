@@ -128,6 +128,21 @@ struct Options {
   // Note [Polling after traffic].
   std::chrono::microseconds ioPollAfterTraffic{1000};
   std::chrono::microseconds ioPollWhileAwaiting{20000};
+  // kTcp only. Between workers on one host, tensors of 256 KiB or more skip
+  // the socket: the sender copies them into shared memory segments that the
+  // receiver maps as the received tensors' storage, up to
+  // sharedMemoryMaxBytes of segments per worker (0: none); past that budget
+  // the receiver reads them from the sender's memory (process_vm_readv).
+  // Copies of at least copyHelperMinBytes into a segment are shared with a
+  // helper thread, which sleeps between copies (0: the sender copies
+  // alone, say when every core is busy with compute). sameHostTransfers
+  // false sends every byte through the socket, as between hosts. A
+  // connection takes either same-host path only if both its workers allow
+  // it (shared memory: a budget above 0 on both). See Note [TCP same-host
+  // shared memory] in rpc/transport/tcp/shared_segments.h.
+  bool sameHostTransfers = true;
+  size_t sharedMemoryMaxBytes = size_t(1) << 30;
+  size_t copyHelperMinBytes = size_t(1) << 20;
 
   // Per destination worker name: where tensors land there.
   std::map<std::string, DeviceMap> deviceMaps;
@@ -171,6 +186,9 @@ struct Options {
   // worldSize (torchrun's, else Open MPI's, else Slurm's; see Note [Launch
   // environment]), then TORCHRPC_INIT_METHOD, TORCHRPC_LISTEN_ADDR,
   // TORCHRPC_NUM_THREADS, TORCHRPC_TIMEOUT_MS, TORCHRPC_SPIN_US,
+  // TORCHRPC_IO_POLL_US, TORCHRPC_IO_POLL_AWAIT_US, TORCHRPC_SAME_HOST
+  // ("1" or "0"), TORCHRPC_SHARED_MEMORY_MAX_BYTES,
+  // TORCHRPC_COPY_HELPER_MIN_BYTES,
   // TORCHRPC_TRANSPORT ("tcp", "tensorpipe", "tensorpipe-shm"),
   // TORCHRPC_SHARED_SECRET, TORCHRPC_PEER_TIMEOUT_MS,
   // TORCHRPC_RENDEZVOUS_TIMEOUT_MS, TORCHRPC_STORE_LISTEN_ADDR,

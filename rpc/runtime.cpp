@@ -85,6 +85,9 @@ std::unique_ptr<Transport> makeTransport(
     tcp.peerTimeout = options.peerTimeout;
     tcp.pollAfterTraffic = options.ioPollAfterTraffic;
     tcp.pollWhileAwaiting = options.ioPollWhileAwaiting;
+    tcp.sameHostZeroCopy = options.sameHostTransfers;
+    tcp.sharedMemoryMaxBytes = options.sharedMemoryMaxBytes;
+    tcp.parallelCopyMinBytes = options.copyHelperMinBytes;
     return std::make_unique<detail::TcpTransport>(std::move(tcp));
   }
   detail::TensorPipeTransportOptions tp;

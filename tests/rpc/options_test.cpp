@@ -1,6 +1,7 @@
 // Options::fromEnvironment() for the variables that let a job be observed
-// (README "Observing a job"): each sets its field exactly, and a malformed
-// value is a c10::Error naming the variable and the value. The launcher's
+// (README "Observing a job") and those of same-host transfers: each sets its
+// field exactly, and a malformed value is a c10::Error naming the variable
+// and the value. The launcher's
 // identity variables are launch_environment_test.cpp's.
 
 #include <gtest/gtest.h>
@@ -152,6 +153,60 @@ TEST_F(OptionsFromEnvironment, MetricsAddressIsTheVariableAsGiven) {
   }
   ::setenv("TORCHRPC_METRICS_ADDR", "", 1);
   EXPECT_EQ(rpc::Options::fromEnvironment().metricsAddress, "");
+}
+
+class SameHostOptionsFromEnvironment : public ::testing::Test {
+ protected:
+  testing::ScopedLauncherEnv launcher_;
+  testing::ScopedEnv sameHost_{
+      "TORCHRPC_SAME_HOST",
+      "TORCHRPC_SHARED_MEMORY_MAX_BYTES",
+      "TORCHRPC_COPY_HELPER_MIN_BYTES"};
+};
+
+TEST_F(SameHostOptionsFromEnvironment, UnsetTheyAreTheDefaults) {
+  rpc::Options options = rpc::Options::fromEnvironment();
+  EXPECT_TRUE(options.sameHostTransfers);
+  EXPECT_EQ(options.sharedMemoryMaxBytes, size_t(1) << 30);
+  EXPECT_EQ(options.copyHelperMinBytes, size_t(1) << 20);
+}
+
+TEST_F(SameHostOptionsFromEnvironment, EachSetsItsField) {
+  ::setenv("TORCHRPC_SAME_HOST", "0", 1);
+  ::setenv("TORCHRPC_SHARED_MEMORY_MAX_BYTES", "67108864", 1);
+  ::setenv("TORCHRPC_COPY_HELPER_MIN_BYTES", "0", 1);
+  rpc::Options options = rpc::Options::fromEnvironment();
+  EXPECT_FALSE(options.sameHostTransfers);
+  EXPECT_EQ(options.sharedMemoryMaxBytes, size_t(64) << 20);
+  EXPECT_EQ(options.copyHelperMinBytes, 0u);
+  ::setenv("TORCHRPC_SAME_HOST", "1", 1);
+  ::setenv("TORCHRPC_SHARED_MEMORY_MAX_BYTES", "0", 1);
+  ::setenv("TORCHRPC_COPY_HELPER_MIN_BYTES", "4194304", 1);
+  options = rpc::Options::fromEnvironment();
+  EXPECT_TRUE(options.sameHostTransfers);
+  EXPECT_EQ(options.sharedMemoryMaxBytes, 0u);
+  EXPECT_EQ(options.copyHelperMinBytes, size_t(4) << 20);
+}
+
+TEST_F(
+    SameHostOptionsFromEnvironment,
+    MalformedValuesAreRefusedNamingTheVariableAndValue) {
+  for (const char* text : {"yes", "true", "2", "-1", " 1"}) {
+    expectRefusedNaming("TORCHRPC_SAME_HOST", text);
+  }
+  ::unsetenv("TORCHRPC_SAME_HOST");
+  ::setenv("TORCHRPC_SHARED_MEMORY_MAX_BYTES", "-1", 1);
+  EXPECT_EQ(
+      errorOfFromEnvironment(),
+      "environment variable TORCHRPC_SHARED_MEMORY_MAX_BYTES must be a byte "
+      "count, not negative, got '-1'");
+  for (const char* text : {"1G", "1e9", "lots"}) {
+    expectRefusedNaming("TORCHRPC_SHARED_MEMORY_MAX_BYTES", text);
+  }
+  ::unsetenv("TORCHRPC_SHARED_MEMORY_MAX_BYTES");
+  for (const char* text : {"-4096", "1MiB", "99999999999999999999"}) {
+    expectRefusedNaming("TORCHRPC_COPY_HELPER_MIN_BYTES", text);
+  }
 }
 
 } // namespace

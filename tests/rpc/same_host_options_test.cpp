@@ -1,0 +1,134 @@
+// The Runtime's same-host options (Options::sameHostTransfers,
+// sharedMemoryMaxBytes, copyHelperMinBytes) reach the TCP transport (tier
+// 2): two workers in this process, so on one host. Each test sends a large
+// tensor and checks where the callee found it (in a shared segment or not),
+// that it arrived exactly, and what the sender's metrics say its copy
+// helper did.
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "tests/support/local_cluster.h"
+#include "torchrpc/rpc/metrics.h"
+#include "torchrpc/rpc/runtime.h"
+#include "torchrpc/rpc/transport/tcp/shared_segments.h"
+
+namespace torchrpc {
+namespace {
+
+using testing::LocalCluster;
+
+// Above the 256 KiB of same-host transfers and the copy helper's default
+// 1 MiB; an odd length, so that the last chunk of a copy is a short one.
+constexpr int64_t kBigElements = (8 << 20) / 4 + 5;
+
+at::Tensor bigTensor(int seed) {
+  return at::arange(kBigElements, at::kInt) * 7 + seed;
+}
+
+std::unique_ptr<LocalCluster> cluster(
+    std::function<void(int, rpc::Options&)> configure) {
+  return std::make_unique<LocalCluster>(
+      rpc::TransportKind::kTcp,
+      2,
+      std::move(configure),
+      [](int, rpc::Runtime& rt) {
+        // Whether the argument's storage is a shared segment mapped here.
+        rt.functions().add("views_segment", [](at::Tensor t) {
+          return rpc::detail::tcp::viewsSharedSegment(t);
+        });
+        rt.functions().add("echo", [](at::Tensor t) { return t; });
+      });
+}
+
+// Sends bigTensor() from worker0 to worker1 until worker0's copy helper has
+// copied bytes or `rounds` were sent; checks that each one arrives exactly
+// and lands in a segment, or not, as `inSegment` says. Returns worker0's
+// helperCopiedBytes.
+uint64_t sendBigTensors(LocalCluster& c, int rounds, bool inSegment) {
+  // A connection settles what its peers share after its first message each
+  // way (Note [TCP same-host zero copy]): a small call, before the big ones.
+  EXPECT_FALSE(c[0].rpcSync<bool>("worker1", "views_segment", at::ones({4})));
+  for (int i = 0; i < rounds; ++i) {
+    const at::Tensor sent = bigTensor(i);
+    EXPECT_EQ(c[0].rpcSync<bool>("worker1", "views_segment", sent), inSegment)
+        << i;
+    EXPECT_TRUE(
+        at::equal(c[0].rpcSync<at::Tensor>("worker1", "echo", sent), sent))
+        << i;
+    if (c[0].metrics().transport.helperCopiedBytes > 0) {
+      break;
+    }
+  }
+  return c[0].metrics().transport.helperCopiedBytes;
+}
+
+TEST(SameHostOptions, ByDefaultBigTensorsTravelInSharedMemory) {
+  auto c = cluster(nullptr);
+  // The helper needs a second CPU (Note [Copies into shared memory on two
+  // cores]); with one allowed, the sender copies alone.
+  uint64_t helped = sendBigTensors(*c, 100, /*inSegment=*/true);
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  ASSERT_EQ(sched_getaffinity(0, sizeof(allowed), &allowed), 0);
+  if (CPU_COUNT(&allowed) > 1) {
+    EXPECT_GT(helped, 0u);
+  } else {
+    EXPECT_EQ(helped, 0u);
+  }
+  // What an operator sees of it.
+  rpc::Metrics m = (*c)[0].metrics();
+  EXPECT_LE(m.transport.helperCopiedBytes, m.transport.copiedBytes);
+  EXPECT_NE(
+      rpc::formatPrometheus(m).find(
+          "torchrpc_transport_helper_copied_bytes_total{worker=\"worker0\","
+          "transport=\"tcp\"} " +
+          std::to_string(m.transport.helperCopiedBytes)),
+      std::string::npos);
+  EXPECT_NE(
+      rpc::formatMetricsText(m).find(
+          "(by the copy helper " +
+          std::to_string(m.transport.helperCopiedBytes) + ")"),
+      std::string::npos);
+}
+
+TEST(SameHostOptions, SameHostTransfersOffOnEitherSideSendThroughTheSocket) {
+  for (int off : {0, 1}) {
+    auto c = cluster([off](int rank, rpc::Options& options) {
+      options.sameHostTransfers = rank != off;
+    });
+    EXPECT_EQ(sendBigTensors(*c, 3, /*inSegment=*/false), 0u) << off;
+  }
+}
+
+TEST(SameHostOptions, NoSharedMemoryBudgetOnEitherSideMeansNoSegments) {
+  for (int off : {0, 1}) {
+    auto c = cluster([off](int rank, rpc::Options& options) {
+      if (rank == off) {
+        options.sharedMemoryMaxBytes = 0;
+      }
+    });
+    EXPECT_EQ(sendBigTensors(*c, 3, /*inSegment=*/false), 0u) << off;
+  }
+}
+
+TEST(SameHostOptions, WithoutTheCopyHelperTheSenderCopiesAlone) {
+  auto c = cluster([](int rank, rpc::Options& options) {
+    if (rank == 0) {
+      options.copyHelperMinBytes = 0;
+    }
+  });
+  EXPECT_EQ(sendBigTensors(*c, 20, /*inSegment=*/true), 0u);
+  // Its copies into segments still count.
+  EXPECT_GE(
+      (*c)[0].metrics().transport.copiedBytes,
+      uint64_t(20) * 4 * kBigElements);
+}
+
+} // namespace
+} // namespace torchrpc
