@@ -2,6 +2,7 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -166,6 +167,7 @@ bool ParallelCopier::keepHelperOffLocked(int cpu) {
 }
 
 void ParallelCopier::helperLoop() {
+  helperTid_.store(::gettid(), std::memory_order_release);
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
     wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });

@@ -4,6 +4,8 @@
 // tensor into a shared segment (Note [Copies into shared memory on two
 // cores]).
 
+#include <sys/types.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
@@ -70,6 +72,11 @@ class ParallelCopier {
   // The bytes the helper has copied, counted before their chunk is reported
   // done, so a copy() that returned is included.
   uint64_t helperBytes() const;
+  // The helper's kernel thread id once it runs, else 0: tests read its CPU
+  // time and affinity through it.
+  pid_t helperThreadId() const {
+    return helperTid_.load(std::memory_order_acquire);
+  }
 
  private:
   struct Job;
@@ -87,6 +94,7 @@ class ParallelCopier {
   std::deque<std::shared_ptr<Job>> queue_;
   bool stopping_ = false;
   std::atomic<uint64_t> helperBytes_{0};
+  std::atomic<pid_t> helperTid_{0};
   std::thread helper_; // started by the first copy of minBytes
   int helperKeptOff_ = -1; // the CPU the helper's affinity leaves out
 };

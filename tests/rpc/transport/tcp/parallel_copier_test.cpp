@@ -2,18 +2,24 @@
 // thread (Note [Copies into shared memory on two cores],
 // rpc/transport/tcp/parallel_copier.h): byte-exact for every size and
 // offset of the last chunk, the helper really taking chunks of large
-// copies and none of small ones, never where it would share the sender's
-// one CPU, and concurrent senders. The transport's
+// copies and none of small ones, kept off the sender's CPU (never started
+// where it would share the sender's one CPU), asleep between copies, and
+// concurrent senders. The transport's
 // use of it is tested in shared_memory_test.cpp.
 
 #include <gtest/gtest.h>
 
 #include <sched.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -139,6 +145,105 @@ TEST(ParallelCopier, ASenderAllowedOneCpuCopiesAlone) {
   }
   EXPECT_EQ(std::memcmp(dst.data(), src.data(), src.size()), 0);
   EXPECT_EQ(copier.helperBytes(), 0u);
+}
+
+// Waits (at most 5 s) for the helper of a copier that copied to run.
+pid_t helperOf(const ParallelCopier& copier) {
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (copier.helperThreadId() == 0 &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return copier.helperThreadId();
+}
+
+// CPU seconds (user and system) a thread of this process has used, from
+// /proc/self/task/<tid>/stat; negative if it cannot be read.
+double cpuSecondsOf(pid_t tid) {
+  std::ifstream in("/proc/self/task/" + std::to_string(tid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), {});
+  // The command name may hold spaces: fields are counted after its ')'.
+  const size_t close = stat.rfind(')');
+  if (close == std::string::npos) {
+    return -1;
+  }
+  std::istringstream fields(stat.substr(close + 2));
+  std::string field;
+  long long utime = 0;
+  long long stime = 0;
+  // Fields 3 to 13, then utime (14) and stime (15).
+  for (int i = 3; i <= 13 && (fields >> field); ++i) {
+  }
+  if (!(fields >> utime >> stime)) {
+    return -1;
+  }
+  return static_cast<double>(utime + stime) / ::sysconf(_SC_CLK_TCK);
+}
+
+TEST(ParallelCopier, TheHelperSleepsBetweenCopies) {
+  ParallelCopier copier(kMiB);
+  const std::vector<uint8_t> src = pattern(8 * kMiB, 6);
+  std::vector<uint8_t> dst(src.size());
+  copier.copy(dst.data(), src.data(), src.size());
+  const pid_t helper = helperOf(copier);
+  ASSERT_NE(helper, 0) << "the helper did not start";
+  const double before = cpuSecondsOf(helper);
+  ASSERT_GE(before, 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const double after = cpuSecondsOf(helper);
+  ASSERT_GE(after, 0);
+  // A helper that polled for work would use most of the half second.
+  EXPECT_LE(after - before, 0.05);
+}
+
+TEST(ParallelCopier, TheHelperIsKeptOffTheSendersCpu) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  ASSERT_EQ(sched_getaffinity(0, sizeof(allowed), &allowed), 0);
+  std::vector<int> cpus;
+  for (int cpu = 0; cpu < CPU_SETSIZE && cpus.size() < 2; ++cpu) {
+    if (CPU_ISSET(cpu, &allowed)) {
+      cpus.push_back(cpu);
+    }
+  }
+  if (cpus.size() < 2) {
+    GTEST_SKIP() << "one CPU: the sender copies alone (tested above)";
+  }
+  ParallelCopier copier(kMiB);
+  const std::vector<uint8_t> src = pattern(4 * kMiB, 7);
+  std::vector<uint8_t> dst(src.size());
+  // For each of two CPUs: a sender allowed every CPU but running on that
+  // one (pinned there, then let go) copies; the helper may then run on
+  // every allowed CPU but that one. A sender that the scheduler moves
+  // between letting go and copying is retried (at most 50 times).
+  for (int cpu : cpus) {
+    bool keptOff = false;
+    for (int attempt = 0; attempt < 50 && !keptOff; ++attempt) {
+      std::thread sender([&] {
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(cpu, &one);
+        if (sched_setaffinity(0, sizeof(one), &one) != 0) {
+          return;
+        }
+        std::this_thread::yield();
+        sched_setaffinity(0, sizeof(allowed), &allowed);
+        copier.copy(dst.data(), src.data(), src.size());
+      });
+      sender.join();
+      const pid_t helper = helperOf(copier);
+      ASSERT_NE(helper, 0) << "the helper did not start";
+      cpu_set_t helperCpus;
+      CPU_ZERO(&helperCpus);
+      ASSERT_EQ(sched_getaffinity(helper, sizeof(helperCpus), &helperCpus), 0);
+      cpu_set_t expected = allowed;
+      CPU_CLR(cpu, &expected);
+      keptOff = CPU_EQUAL(&helperCpus, &expected);
+    }
+    EXPECT_TRUE(keptOff) << "CPU " << cpu;
+  }
+  EXPECT_EQ(std::memcmp(dst.data(), src.data(), src.size()), 0);
 }
 
 TEST(ParallelCopier, ConcurrentSendersShareOneHelper) {
