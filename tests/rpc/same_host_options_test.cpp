@@ -8,6 +8,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <sched.h>
+
 #include <cstdint>
 #include <functional>
 #include <memory>
