@@ -141,16 +141,17 @@ TEST_P(InlineCompletionRuntime, CallbacksStillRunOnThePoolNeverOnTheReader) {
     }
     attaching.store(true);
     if (i % 2 == 0) {
+      // Summed before counted: the wait below ends on the counts.
       chained.push_back(future.then([&sum, &where](int64_t v) {
-        where();
         sum.fetch_add(v);
+        where();
       }));
     } else {
       // Through the raw future, as the layers above do.
       auto impl = future.ivalue();
       impl->addCallback([&sum, &where](c10::ivalue::Future& done) {
-        where();
         sum.fetch_add(done.value().toInt());
+        where();
       });
       raw.push_back(impl);
     }
