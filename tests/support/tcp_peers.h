@@ -1,8 +1,9 @@
 #pragma once
 
 // Harness for the TCP transport's tests (tests/rpc/transport/tcp/): raw
-// peers that speak bytes, hand-written frames, a listener fixture with one
-// legitimate connection, and an echo server in a forked child. The bench
+// peers that speak bytes, a listener that never answers, hand-written
+// frames, a listener fixture with one legitimate connection, and an echo
+// server in a forked child. The bench
 // (bench/transport_microbench.cpp) uses the child server too.
 
 #include <ATen/ATen.h>
@@ -178,6 +179,61 @@ inline std::string randomBytes(size_t count, uint32_t seed) {
   }
   return out;
 }
+
+// A listening socket on loopback that never answers: counts the
+// connections that reached it.
+class SilentListener {
+ public:
+  SilentListener() {
+    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    ::inet_pton(AF_INET, "127.0.0.1", &address.sin_addr);
+    socklen_t length = sizeof(address);
+    ok_ = fd_ >= 0 &&
+        ::bind(fd_, reinterpret_cast<sockaddr*>(&address), length) == 0 &&
+        ::listen(fd_, 512) == 0 &&
+        ::getsockname(fd_, reinterpret_cast<sockaddr*>(&address), &length) == 0;
+    port_ = ntohs(address.sin_port);
+  }
+  ~SilentListener() {
+    if (fd_ >= 0) {
+      ::close(fd_);
+    }
+  }
+  bool ok() const {
+    return ok_;
+  }
+  int port() const {
+    return port_;
+  }
+  std::string address() const {
+    return "tcp://127.0.0.1:" + std::to_string(port_);
+  }
+  // Accepts (and closes) what is queued, waiting up to `wait` for the
+  // first; returns how many there were.
+  int drain(std::chrono::milliseconds wait) {
+    int count = 0;
+    for (int i = 0; i < 10000; ++i) {
+      pollfd ready{fd_, POLLIN, 0};
+      if (::poll(&ready, 1, count == 0 ? int(wait.count()) : 0) <= 0) {
+        break;
+      }
+      int accepted = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (accepted < 0) {
+        break;
+      }
+      ::close(accepted);
+      ++count;
+    }
+    return count;
+  }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+  bool ok_ = false;
+};
 
 // ---- A listener under attack ----
 

@@ -285,8 +285,26 @@ TransportError TcpConnectionImpl::fail(const TransportError& error) {
 
 // ---- Starting, on the strand ----
 
+void TcpConnectionImpl::startConnecting(const ip::tcp::endpoint& endpoint) {
+  auto self = shared_from_this();
+  runOnStrand([self, endpoint]() { self->connectFromLoop(endpoint); });
+}
+
+void TcpConnectionImpl::startAccepted() {
+  auto self = shared_from_this();
+  runOnStrand([self]() { self->acceptFromLoop(); });
+}
+
+bool TcpConnectionImpl::failedAlready() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return failed_;
+}
+
 void TcpConnectionImpl::connectFromLoop(const ip::tcp::endpoint& endpoint) {
   TORCHRPC_ASSERT_IN_LOOP();
+  if (failedAlready()) {
+    return;
+  }
   armHandshakeTimerFromLoop();
   auto self = shared_from_this();
   socket_.async_connect(endpoint, [self](const AsioError& ec) {
@@ -306,6 +324,9 @@ void TcpConnectionImpl::connectFromLoop(const ip::tcp::endpoint& endpoint) {
 
 void TcpConnectionImpl::acceptFromLoop() {
   TORCHRPC_ASSERT_IN_LOOP();
+  if (failedAlready()) {
+    return;
+  }
   armHandshakeTimerFromLoop();
   if (setUpSocketFromLoop()) {
     readFrameHeaderFromLoop();
@@ -318,14 +339,9 @@ bool TcpConnectionImpl::inLoop() const {
 
 template <typename Task>
 void TcpConnectionImpl::runOnStrand(Task task) {
-  {
-    std::lock_guard<std::mutex> lock(context_->postMutex);
-    if (!context_->joined.load()) {
-      asio::post(strand_, std::move(task));
-      return;
-    }
+  if (!context_->postUnlessJoined(strand_, task)) {
+    task();
   }
-  task();
 }
 
 void TcpConnectionImpl::scheduleReport() {
@@ -444,16 +460,12 @@ void TcpConnectionImpl::enqueue(OutFrame frame, bool isData) {
 
 void TcpConnectionImpl::postFlush() {
   auto self = shared_from_this();
-  {
-    std::lock_guard<std::mutex> lock(context_->postMutex);
-    if (!context_->joined.load()) {
-      // Not to the strand: a flush needs only mutex_, and must not wait
-      // behind a read being parsed.
-      asio::post(context_->io, [self]() { self->flushQueue(); });
-      return;
-    }
+  // Not to the strand: a flush needs only mutex_, and must not wait behind
+  // a read being parsed.
+  auto flush = [self]() { self->flushQueue(); };
+  if (!context_->postUnlessJoined(context_->io, flush)) {
+    flushQueue();
   }
-  flushQueue();
 }
 
 void TcpConnectionImpl::flushQueue() {
@@ -564,6 +576,9 @@ int TcpConnectionImpl::flushLocked(std::vector<OutFrame>& completed) {
 
 void TcpConnectionImpl::awaitWritableFromLoop() {
   TORCHRPC_ASSERT_IN_LOOP();
+  if (failedAlready()) {
+    return; // see startConnecting()
+  }
   auto self = shared_from_this();
   socket_.async_wait(Socket::wait_write, [self](const AsioError& ec) {
     self->onWritableFromLoop(ec);

@@ -152,12 +152,26 @@ class TcpConnectionImpl
   // Returns the error that stuck.
   TransportError fail(const TransportError& error);
 
-  // ---- Starting, on the strand ----
+  // ---- Starting ----
 
-  void connectFromLoop(const boost::asio::ip::tcp::endpoint& endpoint);
-  void acceptFromLoop();
+  // Start connecting, or the handshake of an accepted socket, on the
+  // strand. Safe to race with TcpTransport::join(): once the io threads
+  // are gone the start runs inline, finds the connection failed by close()
+  // and does nothing, so no operation is left queued on a loop nobody runs
+  // (it would hold this connection, and through it the io_context, for
+  // good).
+  void startConnecting(const boost::asio::ip::tcp::endpoint& endpoint);
+  void startAccepted();
 
  private:
+  // Nothing starts on a connection that failed (closed before its start
+  // ran): it would open a socket and arm a timer nobody waits for. The same
+  // holds for every operation started from outside the io threads
+  // (beginReadingFromLoop, awaitWritableFromLoop).
+  void connectFromLoop(const boost::asio::ip::tcp::endpoint& endpoint);
+  void acceptFromLoop();
+  bool failedAlready() const;
+
   bool authenticates() const {
     return !context_->options.sharedSecret.empty();
   }

@@ -211,6 +211,9 @@ void TcpConnectionImpl::readBodyFromLoop(size_t bytes, ReadStep then) {
 
 void TcpConnectionImpl::beginReadingFromLoop() {
   TORCHRPC_ASSERT_IN_LOOP();
+  if (failedAlready()) {
+    return; // see startConnecting()
+  }
   if (handshake_.done && !reading_) {
     reading_ = true;
     readFrameHeaderFromLoop();

@@ -3,6 +3,7 @@
 // What a TCP transport and its connections share.
 
 #include <boost/asio/io_context.hpp>
+#include <boost/asio/post.hpp>
 
 #include <atomic>
 #include <cstdint>
@@ -41,6 +42,22 @@ struct TcpContext {
   // Orders posting to the io threads against join() setting `joined`: what
   // is posted before is run by join()'s last poll, nothing is posted after.
   std::mutex postMutex;
+
+  // Posts `task` to `executor` (the io_context or a strand on it) unless
+  // the io threads were joined. Returns false then, with `task` untouched:
+  // nobody would ever run it, and a queued handler keeps what it holds (a
+  // connection, and through it this context) alive for good. Every post
+  // of a handler that holds something goes through here.
+  template <typename Executor, typename Task>
+  bool postUnlessJoined(Executor&& executor, Task& task) {
+    std::lock_guard<std::mutex> lock(postMutex);
+    if (joined.load()) {
+      return false;
+    }
+    boost::asio::post(std::forward<Executor>(executor), std::move(task));
+    return true;
+  }
+
   IoPolling polling;
   // For TcpTransport::stats(). Tensor bytes go straight from and into a
   // tensor's storage (writev, process_vm_readv, reads into the receive

@@ -211,10 +211,21 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
       acceptor_ = acceptor;
       address_ = "tcp://" + endpointString(bound);
     }
+    {
+      // A close() that ran since the check above found no acceptor to close.
+      std::lock_guard<std::mutex> lock(context_->mutex);
+      if (context_->closed) {
+        AsioError ignored;
+        acceptor->close(ignored);
+        return;
+      }
+    }
     auto self = shared_from_this();
-    asio::post(context_->io, [self, acceptor]() {
-      self->acceptNext(acceptor);
-    });
+    auto start = [self, acceptor]() { self->acceptNext(acceptor); };
+    if (!context_->postUnlessJoined(context_->io, start)) {
+      AsioError ignored;
+      acceptor->close(ignored); // joined meanwhile: nothing will accept
+    }
   }
 
   std::string address() const {
@@ -264,7 +275,7 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
           "transport " + context_->options.name + " is closed"});
       return handle;
     }
-    asio::post(strand, [impl, endpoint]() { impl->connectFromLoop(endpoint); });
+    impl->startConnecting(endpoint);
     return handle;
   }
 
@@ -288,15 +299,23 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
       acceptor = acceptor_;
     }
     if (acceptor) {
-      asio::post(context_->io, [acceptor]() {
+      auto closeAcceptor = [acceptor]() {
         AsioError ignored;
         acceptor->close(ignored);
-      });
+      };
+      if (!context_->postUnlessJoined(context_->io, closeAcceptor)) {
+        closeAcceptor();
+      }
     }
     for (auto& connection : connections) {
       connection->close(
           "closed: transport " + context_->options.name + " is shutting down");
     }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      closeFinished_ = true;
+    }
+    closeFinishedCv_.notify_all();
   }
 
   void join() {
@@ -305,6 +324,14 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
       TORCH_CHECK(
           thread.get_id() != std::this_thread::get_id(),
           "TcpTransport::join() called from its own io thread");
+    }
+    {
+      // A close() on another thread may still be closing connections; the
+      // io threads must outlive what it starts.
+      std::unique_lock<std::mutex> lock(mutex_);
+      closeFinishedCv_.wait_for(lock, kJoinTimeout, [this]() {
+        return closeFinished_;
+      });
     }
     // No waiting caller runs the loop from here on: the io threads, then
     // join() itself, finish its work.
@@ -445,7 +472,7 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
           "dropped: too many connections in their handshake"});
     }
     if (impl) {
-      asio::post(strand, [impl]() { impl->acceptFromLoop(); });
+      impl->startAccepted();
     }
   }
 
@@ -458,6 +485,10 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
   mutable std::mutex mutex_;
   std::condition_variable runningCv_;
   int running_ = 0;
+  // Set when the close() that closed the transport has closed every
+  // connection it found.
+  bool closeFinished_ = false;
+  std::condition_variable closeFinishedCv_;
   std::shared_ptr<ip::tcp::acceptor> acceptor_;
   std::string address_;
 };
