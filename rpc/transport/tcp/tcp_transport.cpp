@@ -182,7 +182,11 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
       context_->onAccept =
           std::make_shared<Transport::AcceptCallback>(std::move(onAccept));
     }
-    auto acceptor = std::make_shared<ip::tcp::acceptor>(context_->io);
+    // The acceptor lives on a strand of its own: its handlers, the retry
+    // timer's and close()'s all run there, never two at once (a waiting
+    // caller that drives the loop is another thread).
+    auto acceptor =
+        std::make_shared<ip::tcp::acceptor>(asio::make_strand(context_->io));
     AsioError ec;
     acceptor->open(endpoint.protocol(), ec);
     if (!ec) {
@@ -220,9 +224,13 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
         return;
       }
     }
-    auto self = shared_from_this();
-    auto start = [self, acceptor]() { self->acceptNext(acceptor); };
-    if (!context_->postUnlessJoined(context_->io, start)) {
+    std::weak_ptr<TcpTransportImpl> weak = shared_from_this();
+    auto start = [weak, acceptor]() {
+      if (auto self = weak.lock()) {
+        self->acceptNext(acceptor);
+      }
+    };
+    if (!context_->postUnlessJoined(acceptor->get_executor(), start)) {
       AsioError ignored;
       acceptor->close(ignored); // joined meanwhile: nothing will accept
     }
@@ -303,7 +311,9 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
         AsioError ignored;
         acceptor->close(ignored);
       };
-      if (!context_->postUnlessJoined(context_->io, closeAcceptor)) {
+      if (!context_->postUnlessJoined(
+              acceptor->get_executor(),
+              closeAcceptor)) {
         closeAcceptor();
       }
     }
@@ -404,13 +414,18 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
     runningCv_.notify_all();
   }
 
+  // The acceptor's handlers hold the transport weakly: one left queued
+  // (join() stopped a loop that would not finish) must not keep it, and
+  // through it the io_context that holds the handler, alive for good.
   void acceptNext(const std::shared_ptr<ip::tcp::acceptor>& acceptor) {
     Strand strand = asio::make_strand(context_->io);
-    auto self = shared_from_this();
+    std::weak_ptr<TcpTransportImpl> weak = shared_from_this();
     acceptor->async_accept(
         strand,
-        [self, acceptor, strand](const AsioError& ec, Socket socket) {
-          self->onAccepted(acceptor, strand, ec, std::move(socket));
+        [weak, acceptor, strand](const AsioError& ec, Socket socket) {
+          if (auto self = weak.lock()) {
+            self->onAccepted(acceptor, strand, ec, std::move(socket));
+          }
         });
   }
 
@@ -427,11 +442,13 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
       TORCHRPC_LOG(kWarning)
           << "TcpTransport " << context_->options.name << ": accept failed ("
           << ec.message() << "); retrying";
-      auto timer = std::make_shared<asio::steady_timer>(context_->io);
+      auto timer =
+          std::make_shared<asio::steady_timer>(acceptor->get_executor());
       timer->expires_after(kAcceptRetryDelay);
-      auto self = shared_from_this();
-      timer->async_wait([self, acceptor, timer](const AsioError& e) {
-        if (!e && acceptor->is_open()) {
+      std::weak_ptr<TcpTransportImpl> weak = shared_from_this();
+      timer->async_wait([weak, acceptor, timer](const AsioError& e) {
+        auto self = weak.lock();
+        if (self && !e && acceptor->is_open()) {
           self->acceptNext(acceptor);
         }
       });
