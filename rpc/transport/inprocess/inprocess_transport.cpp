@@ -179,9 +179,19 @@ class InProcessConnection
     }
   }
 
-  void setPeer(std::weak_ptr<InProcessConnection> peer) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    peer_ = std::move(peer);
+  // Links this side to its peer. A side that failed before it was linked
+  // (its transport closed during connect() or accept()) could not tell the
+  // peer then; it does now, as close() would have.
+  void setPeer(const std::weak_ptr<InProcessConnection>& peer) {
+    bool failed;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      peer_ = peer;
+      failed = failed_;
+    }
+    if (failed) {
+      closePeer("peer " + context_->address + " closed the connection");
+    }
   }
 
   void start(ReceiveCallback onMessage, ErrorCallback onError) override {
