@@ -119,6 +119,14 @@ TEST(TcpTransport, SeveralIoThreadsKeepOrderBothWays) {
   }
 }
 
+// A client whose handshake would wait far longer than any test: a join()
+// held up by one shows as a join() that takes seconds.
+detail::TcpTransportOptions patientClientOptions() {
+  auto options = testOptions("client");
+  options.handshakeTimeout = std::chrono::seconds(60);
+  return options;
+}
+
 // A connection that the transport's shutdown (or the user's close()) meets
 // before its io thread started it never connects: a start after close()
 // would open a socket and arm a handshake timer that nobody waits for, and
@@ -127,8 +135,7 @@ TEST(TcpTransport, SeveralIoThreadsKeepOrderBothWays) {
 TEST(TcpTransport, AConnectionClosedBeforeItStartedNeverConnects) {
   SilentListener listener;
   ASSERT_TRUE(listener.ok());
-  auto options = testOptions("client");
-  options.handshakeTimeout = std::chrono::seconds(60);
+  const auto options = patientClientOptions();
   constexpr int kAttempts = 40;
   int errorsSeen = 0;
   for (int i = 0; i < kAttempts; ++i) {
@@ -160,8 +167,7 @@ TEST(TcpTransport, AConnectionClosedBeforeItStartedNeverConnects) {
 TEST(TcpTransport, ConnectingWhileTheTransportJoinsLeavesNothingBehind) {
   SilentListener listener;
   ASSERT_TRUE(listener.ok());
-  auto options = testOptions("client");
-  options.handshakeTimeout = std::chrono::seconds(60);
+  const auto options = patientClientOptions();
   constexpr int kRounds = 20;
   // More connecting threads than this machine has cores, so that some are
   // preempted inside connect() while join() runs.
