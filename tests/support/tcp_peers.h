@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -299,14 +300,42 @@ class TcpListenerFixture : public ::testing::Test {
 
 // ---- Peers in other processes ----
 
+// Reads what `fd` holds until `marker` arrives, the writer closes it or
+// `timeout` passes.
+inline std::string readUntil(
+    int fd,
+    const std::string& marker,
+    std::chrono::milliseconds timeout) {
+  std::string out;
+  char buffer[4096];
+  const auto deadline = Clock::now() + timeout;
+  while (out.find(marker) == std::string::npos && Clock::now() < deadline) {
+    pollfd ready{fd, POLLIN, 0};
+    if (::poll(&ready, 1, 50) <= 0) {
+      continue;
+    }
+    ssize_t n = ::read(fd, buffer, sizeof(buffer));
+    if (n <= 0) {
+      break;
+    }
+    out.append(buffer, static_cast<size_t>(n));
+  }
+  return out;
+}
+
 // A TcpTransport or TensorPipeTransport echo server in a forked child. The
 // child echoes each message back, except "ack" messages, answered with an
-// empty one. Killed (and reaped) by the destructor on every path.
+// empty one. `beforeReady`, if given, runs in the child once it listens and
+// before the constructor returns (e.g. to take the child's descriptors
+// away). Killed (and reaped) by the destructor on every path.
 class ChildServer {
  public:
   enum class Kind { kTcp, kTensorPipe };
 
-  ChildServer(Kind kind, detail::TcpTransportOptions tcpOptions) {
+  ChildServer(
+      Kind kind,
+      detail::TcpTransportOptions tcpOptions,
+      std::function<void()> beforeReady = nullptr) {
     int fds[2];
     if (::pipe(fds) != 0) {
       return;
@@ -316,24 +345,11 @@ class ChildServer {
       ::close(fds[0]);
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
       ::alarm(120); // never outlive a stuck test
-      runChild(kind, tcpOptions, fds[1]);
+      runChild(kind, tcpOptions, beforeReady, fds[1]);
       ::_exit(0);
     }
     ::close(fds[1]);
-    char buffer[256];
-    std::string address;
-    pollfd p{fds[0], POLLIN, 0};
-    auto deadline = Clock::now() + kTimeout;
-    while (address.find('\n') == std::string::npos && Clock::now() < deadline) {
-      if (::poll(&p, 1, 100) <= 0) {
-        continue;
-      }
-      ssize_t n = ::read(fds[0], buffer, sizeof(buffer));
-      if (n <= 0) {
-        break;
-      }
-      address.append(buffer, static_cast<size_t>(n));
-    }
+    std::string address = readUntil(fds[0], "\n", kTimeout);
     ::close(fds[0]);
     if (address.find('\n') != std::string::npos) {
       address_ = address.substr(0, address.find('\n'));
@@ -370,6 +386,7 @@ class ChildServer {
   static void runChild(
       Kind kind,
       const detail::TcpTransportOptions& tcpOptions,
+      const std::function<void()>& beforeReady,
       int addressFd) {
     std::unique_ptr<Transport> transport;
     if (kind == Kind::kTcp) {
@@ -399,10 +416,14 @@ class ChildServer {
       keep->push_back(std::move(connection));
     });
     std::string line = transport->address() + "\n";
+    if (beforeReady) {
+      beforeReady();
+    }
     if (::write(addressFd, line.data(), line.size()) < 0) {
       return;
     }
-    ::close(addressFd);
+    // addressFd stays open: closing it would give back a descriptor that
+    // beforeReady may have taken away on purpose.
     while (true) {
       ::pause();
     }

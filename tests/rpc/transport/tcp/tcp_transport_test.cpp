@@ -8,16 +8,13 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/resource.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <future>
 #include <memory>
-#include <mutex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -226,29 +223,6 @@ TEST(TcpTransport, ConnectingWhileTheTransportJoinsLeavesNothingBehind) {
   }
 }
 
-// Reads what `fd` holds until `marker` arrives, the writer closes it or
-// `timeout` passes.
-std::string readUntil(
-    int fd,
-    const std::string& marker,
-    std::chrono::milliseconds timeout) {
-  std::string out;
-  char buffer[4096];
-  const auto deadline = Clock::now() + timeout;
-  while (out.find(marker) == std::string::npos && Clock::now() < deadline) {
-    pollfd ready{fd, POLLIN, 0};
-    if (::poll(&ready, 1, 50) <= 0) {
-      continue;
-    }
-    ssize_t n = ::read(fd, buffer, sizeof(buffer));
-    if (n <= 0) {
-      break;
-    }
-    out.append(buffer, static_cast<size_t>(n));
-  }
-  return out;
-}
-
 // The CPU time a process has used (utime + stime), in clock ticks.
 long cpuTicks(pid_t pid) {
   int fd = ::open(("/proc/" + std::to_string(pid) + "/stat").c_str(), O_RDONLY);
@@ -274,34 +248,18 @@ long cpuTicks(pid_t pid) {
 // accept, and accepts the waiting connection once descriptors are free.
 // The server runs in a child process, whose descriptor limit it lowers.
 TEST(TcpTransport, AListenerOutOfDescriptorsBacksOffAndRecovers) {
-  int toParent[2];
-  int stderrPipe[2];
-  ASSERT_EQ(::pipe(toParent), 0);
-  ASSERT_EQ(::pipe(stderrPipe), 0);
-  pid_t child = ::fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    ::alarm(60); // never outlive a stuck test
-    ::close(toParent[0]);
-    ::close(stderrPipe[0]);
-    ::dup2(stderrPipe[1], STDERR_FILENO);
-    auto server = std::make_unique<detail::TcpTransport>(testOptions("server"));
-    auto keep = std::make_shared<std::vector<std::shared_ptr<Connection>>>();
-    auto mutex = std::make_shared<std::mutex>();
-    server->listen([keep, mutex](std::shared_ptr<Connection> connection) {
-      std::weak_ptr<Connection> weak = connection;
-      connection->start(
-          [weak](Message&& message) {
-            if (auto self = weak.lock()) {
-              self->send(std::move(message), [](const TransportError*) {});
-            }
-          },
-          [](const TransportError&) {});
-      std::lock_guard<std::mutex> lock(*mutex);
-      keep->push_back(std::move(connection));
-    });
-    std::string line = server->address() + "\n";
+  int logPipe[2];
+  ASSERT_EQ(::pipe(logPipe), 0);
+  // The child's log, read as it comes (its writes never block) until the
+  // child is gone. Declared before the child, so that on every path the
+  // child dies first and the read ends.
+  auto log = std::async(std::launch::async, [fd = logPipe[0]]() {
+    std::string text = readUntil(fd, "\x01", std::chrono::seconds(30));
+    ::close(fd);
+    return text;
+  });
+  ChildServer child(ChildServer::Kind::kTcp, testOptions("server"), [&]() {
+    ::dup2(logPipe[1], STDERR_FILENO);
     // No descriptor left: the soft limit just above the highest one open,
     // and every free number below it taken.
     int highest = ::dup(STDERR_FILENO);
@@ -317,71 +275,44 @@ TEST(TcpTransport, AListenerOutOfDescriptorsBacksOffAndRecovers) {
       }
       fillers.push_back(fd);
     }
-    line += "full\n";
-    if (::write(toParent[1], line.data(), line.size()) < 0) {
-      ::_exit(1);
-    }
-    // The parent connects now: its connection waits in the backlog while
-    // the listener fails to accept it.
-    std::this_thread::sleep_for(std::chrono::milliseconds(600));
-    for (int fd : fillers) {
-      ::close(fd);
-    }
-    while (true) {
-      ::pause();
-    }
-  }
-  ::close(toParent[1]);
-  ::close(stderrPipe[1]);
-  // The child's log, read as it comes so that its writes never block.
-  std::string log;
-  std::thread logReader([&]() {
-    log = readUntil(stderrPipe[0], "no marker", std::chrono::seconds(30));
-  });
-  struct Reaper {
-    pid_t pid;
-    std::thread& logReader;
-    ~Reaper() {
-      if (pid > 0) {
-        ::kill(pid, SIGKILL);
-        ::waitpid(pid, nullptr, 0);
-        logReader.join(); // the pipe's writer is gone: EOF
+    // The parent connects once the child is ready: its connection waits
+    // in the backlog, the listener failing to accept it, for 600 ms.
+    std::thread([fillers]() {
+      std::this_thread::sleep_for(std::chrono::milliseconds(600));
+      for (int fd : fillers) {
+        ::close(fd);
       }
-    }
-  } reaper{child, logReader};
-
-  std::string said = readUntil(toParent[0], "full\n", kTimeout);
-  ::close(toParent[0]);
-  ASSERT_NE(said.find("full\n"), std::string::npos) << said;
-  const std::string address = said.substr(0, said.find('\n'));
+    }).detach();
+  });
+  ::close(logPipe[1]);
+  ASSERT_FALSE(child.address().empty());
 
   auto options = testOptions("client");
   options.handshakeTimeout = std::chrono::seconds(10); // outlasts the 600 ms
   detail::TcpTransport client(options);
-  const long ticksBefore = cpuTicks(child);
+  const long ticksBefore = cpuTicks(child.pid());
   std::shared_ptr<Connection> connection;
-  auto inbox = connectAndEcho(client, address, connection);
-  const long ticksDuring = cpuTicks(child) - ticksBefore;
+  auto inbox = connectAndEcho(client, child.address(), connection);
+  const long ticksDuring = cpuTicks(child.pid()) - ticksBefore;
   ASSERT_TRUE(inbox->errors().empty());
 
   // Asleep between tries: a spinning accept uses a good part of the 600 ms.
   EXPECT_LT(ticksDuring, ::sysconf(_SC_CLK_TCK) / 10) << "clock ticks";
 
-  ::kill(child, SIGKILL);
-  ::waitpid(child, nullptr, 0);
-  logReader.join();
-  reaper.pid = -1;
-  ::close(stderrPipe[0]);
+  child.kill(SIGKILL);
+  child.reap();
+  const std::string text = log.get();
   // Each failed accept is logged, naming the cause; one try every 50 ms
   // makes about 12 in the 600 ms (a spinning accept made 24 k here).
   const std::string failed = "accept failed (Too many open files); retrying";
   int failures = 0;
-  for (size_t at = log.find(failed); at != std::string::npos && failures < 1000;
-       at = log.find(failed, at + 1)) {
+  for (size_t at = text.find(failed);
+       at != std::string::npos && failures < 1000;
+       at = text.find(failed, at + 1)) {
     ++failures;
   }
-  EXPECT_GE(failures, 2) << log.substr(0, 2000);
-  EXPECT_LE(failures, 60) << log.substr(0, 2000);
+  EXPECT_GE(failures, 2) << text.substr(0, 2000);
+  EXPECT_LE(failures, 60) << text.substr(0, 2000);
 }
 
 } // namespace
