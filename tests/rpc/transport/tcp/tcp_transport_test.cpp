@@ -252,12 +252,9 @@ TEST(TcpTransport, AListenerOutOfDescriptorsBacksOffAndRecovers) {
   ASSERT_EQ(::pipe(logPipe), 0);
   // The child's log, read as it comes (its writes never block) until the
   // child is gone. Declared before the child, so that on every path the
-  // child dies first and the read ends.
-  auto log = std::async(std::launch::async, [fd = logPipe[0]]() {
-    std::string text = readUntil(fd, "\x01", std::chrono::seconds(30));
-    ::close(fd);
-    return text;
-  });
+  // child dies first and the read ends; started after the fork, which
+  // ThreadSanitizer refuses in a process with threads of its own.
+  std::future<std::string> log;
   ChildServer child(ChildServer::Kind::kTcp, testOptions("server"), [&]() {
     ::dup2(logPipe[1], STDERR_FILENO);
     // No descriptor left: the soft limit just above the highest one open,
@@ -285,6 +282,11 @@ TEST(TcpTransport, AListenerOutOfDescriptorsBacksOffAndRecovers) {
     }).detach();
   });
   ::close(logPipe[1]);
+  log = std::async(std::launch::async, [fd = logPipe[0]]() {
+    std::string text = readUntil(fd, "\x01", std::chrono::seconds(30));
+    ::close(fd);
+    return text;
+  });
   ASSERT_FALSE(child.address().empty());
 
   auto options = testOptions("client");
