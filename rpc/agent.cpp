@@ -33,6 +33,7 @@
 #include "torchrpc/rpc/request_scope.h"
 #include "torchrpc/rpc/tracing.h"
 #include "torchrpc/rpc/wire/envelope.h"
+#include "torchrpc/rpc/wire/recycled_envelope.h"
 
 namespace torchrpc {
 namespace rpc {
@@ -581,7 +582,8 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
           std::memory_order_relaxed);
     }
     const uint64_t bytes = messageBytes(message);
-    auto envelope = std::make_shared<wire::Envelope>();
+    // Note [Recycled envelopes] in rpc/wire/recycled_envelope.h.
+    detail::RecycledEnvelope envelope = detail::takeEnvelope();
     try {
       codec_.parse(message.header, envelope.get());
     } catch (const RpcError& e) {
@@ -668,7 +670,14 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     if (!envelope->is_response()) {
       requestsQueued_.fetch_add(1, std::memory_order_relaxed);
     }
-    pool_.run([weak, conn, envelope, tensors, deadline, arrived, bytes]() {
+    std::shared_ptr<const wire::Envelope> queued = std::move(envelope);
+    pool_.run([weak,
+               conn,
+               envelope = std::move(queued),
+               tensors,
+               deadline,
+               arrived,
+               bytes]() {
       auto self = weak.lock();
       if (!self) {
         return;

@@ -9,6 +9,7 @@
 
 #include "proto/rpc/envelope.pb.h"
 #include "torchrpc/rpc/errors.h"
+#include "torchrpc/rpc/wire/recycled_envelope.h"
 #include "torchrpc/rpc/wire/value_codec.h"
 
 namespace torchrpc {
@@ -106,12 +107,12 @@ Message MessageCodec::encodeRequest(
     const OutgoingRequest& request,
     const DeviceMap* deviceMap,
     bool traced) const {
-  wire::Envelope envelope;
-  startEnvelope(envelope, id, request.kind, /*isResponse=*/false);
-  envelope.set_timeout_ms(request.timeout.count());
-  envelope.set_traced(traced);
-  envelope.set_body(request.body);
-  return encodeValues(envelope, to, request.values, deviceMap, nullptr);
+  RecycledEnvelope envelope = takeEnvelope();
+  startEnvelope(*envelope, id, request.kind, /*isResponse=*/false);
+  envelope->set_timeout_ms(request.timeout.count());
+  envelope->set_traced(traced);
+  envelope->set_body(request.body);
+  return encodeValues(*envelope, to, request.values, deviceMap, nullptr);
 }
 
 Message MessageCodec::encodeResponse(
@@ -126,9 +127,9 @@ Message MessageCodec::encodeResponse(
     return encodeError(id, kind, done.exception_ptr(), what);
   }
   try {
-    wire::Envelope envelope;
-    startEnvelope(envelope, id, kind, /*isResponse=*/true);
-    return encodeValues(envelope, to, done.constValue(), deviceMap, request);
+    RecycledEnvelope envelope = takeEnvelope();
+    startEnvelope(*envelope, id, kind, /*isResponse=*/true);
+    return encodeValues(*envelope, to, done.constValue(), deviceMap, request);
   } catch (...) {
     return encodeError(id, kind, std::current_exception(), what);
   }
@@ -137,19 +138,19 @@ Message MessageCodec::encodeResponse(
 Message MessageCodec::encodeCancel(
     uint64_t id,
     std::chrono::milliseconds timeout) const {
-  wire::Envelope envelope;
-  startEnvelope(envelope, id, kCancelMessageKind, /*isResponse=*/false);
-  envelope.set_timeout_ms(timeout.count());
+  RecycledEnvelope envelope = takeEnvelope();
+  startEnvelope(*envelope, id, kCancelMessageKind, /*isResponse=*/false);
+  envelope->set_timeout_ms(timeout.count());
   Message message;
-  message.header = envelope.SerializeAsString();
+  message.header = envelope->SerializeAsString();
   return message;
 }
 
 Message MessageCodec::encodeHeartbeat(bool isResponse) const {
-  wire::Envelope envelope;
-  startEnvelope(envelope, 0, kHeartbeatMessageKind, isResponse);
+  RecycledEnvelope envelope = takeEnvelope();
+  startEnvelope(*envelope, 0, kHeartbeatMessageKind, isResponse);
   Message message;
-  message.header = envelope.SerializeAsString();
+  message.header = envelope->SerializeAsString();
   return message;
 }
 
@@ -158,11 +159,11 @@ Message MessageCodec::encodeError(
     uint32_t kind,
     const std::exception_ptr& error,
     const std::string& what) const {
-  wire::Envelope envelope;
-  startEnvelope(envelope, id, kind, /*isResponse=*/true);
-  errorToStatus(error, what, envelope.mutable_status());
+  RecycledEnvelope envelope = takeEnvelope();
+  startEnvelope(*envelope, id, kind, /*isResponse=*/true);
+  errorToStatus(error, what, envelope->mutable_status());
   Message message;
-  message.header = envelope.SerializeAsString();
+  message.header = envelope->SerializeAsString();
   return message;
 }
 
