@@ -174,6 +174,7 @@ Message MessageCodec::encodeValues(
     const DeviceMap* deviceMap,
     const RequestScope* request) const {
   ValueEncoder encoder(to.id, deviceMap, &extensions_);
+  encoder.reuseDescriptorsOf(&envelope);
   for (const auto& value : values) {
     encoder.encode(value, envelope.add_values());
   }

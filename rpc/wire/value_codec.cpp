@@ -549,16 +549,17 @@ void ValueEncoder::encode(const c10::IValue& value, wire::Value* out) {
 }
 
 std::vector<at::Tensor> ValueEncoder::finish(wire::Envelope* envelope) && {
-  auto* descs = envelope->mutable_tensors();
   // Descriptor i must describe transport tensor i; anything already there
   // would shift the indices.
-  descs->Clear();
-  descs->Reserve(static_cast<int>(descs_.size()));
-  for (auto& desc : descs_) {
-    *descs->Add() = std::move(desc);
-  }
-  descs_.clear();
+  envelope->clear_tensors();
+  envelope->mutable_tensors()->Swap(&descs_);
   return std::move(tensors_);
+}
+
+void ValueEncoder::reuseDescriptorsOf(wire::Envelope* envelope) {
+  TORCH_INTERNAL_ASSERT(descs_.empty(), "reuseDescriptorsOf after encode");
+  envelope->clear_tensors();
+  descs_.Swap(envelope->mutable_tensors());
 }
 
 void ValueEncoder::encodeAt(
@@ -696,7 +697,7 @@ uint32_t ValueEncoder::addTensor(const at::Tensor& tensor) {
     throwBadArguments(
         concat("cannot send a tensor of dtype ", c10::toString(dtype)));
   }
-  if (descs_.size() >= std::numeric_limits<uint32_t>::max()) {
+  if (descs_.size() == std::numeric_limits<int>::max()) {
     throwBadArguments("too many tensors in one message");
   }
 
@@ -725,8 +726,7 @@ uint32_t ValueEncoder::addTensor(const at::Tensor& tensor) {
     wire = wire.contiguous();
   }
 
-  descs_.emplace_back();
-  wire::TensorDesc& desc = descs_.back();
+  wire::TensorDesc& desc = *descs_.Add();
   desc.set_dtype(static_cast<uint32_t>(dtype));
   const auto sizes = tensor.sizes();
   desc.mutable_sizes()->Add(sizes.begin(), sizes.end());
@@ -756,7 +756,7 @@ uint32_t ValueEncoder::addSparseTensor(const at::Tensor& tensor) {
     throwBadArguments(
         concat("cannot send a tensor of dtype ", c10::toString(dtype)));
   }
-  if (descs_.size() >= std::numeric_limits<uint32_t>::max()) {
+  if (descs_.size() == std::numeric_limits<int>::max()) {
     throwBadArguments("too many tensors in one message");
   }
   // See Note [Sparse tensors on the wire]: indices then values, each as a
@@ -765,8 +765,7 @@ uint32_t ValueEncoder::addSparseTensor(const at::Tensor& tensor) {
   at::Tensor indices = detached._indices().contiguous();
   at::Tensor values = resolveLazyBits(detached._values()).contiguous();
 
-  descs_.emplace_back();
-  wire::TensorDesc& desc = descs_.back();
+  wire::TensorDesc& desc = *descs_.Add();
   desc.set_layout(wire::TensorDesc::SPARSE_COO);
   desc.set_dtype(static_cast<uint32_t>(dtype));
   const auto sizes = tensor.sizes();

@@ -59,6 +59,12 @@ class ValueEncoder {
   // give the transport (contiguous CPU tensors).
   std::vector<at::Tensor> finish(wire::Envelope* envelope) &&;
 
+  // Call before encode(): builds the descriptors in the elements that
+  // envelope's cleared tensors field kept, instead of allocating new ones
+  // (Note [Recycled envelopes] in rpc/wire/recycled_envelope.h). finish()
+  // must then get the same envelope.
+  void reuseDescriptorsOf(wire::Envelope* envelope);
+
  private:
   void encodeAt(const c10::IValue& value, wire::Value* out, int depth);
   // Both return the tensor's descriptor index (what Value.tensor_index
@@ -69,7 +75,7 @@ class ValueEncoder {
   int64_t toWorker_;
   const DeviceMap* deviceMap_;
   const std::vector<ValueExtension>* extensions_;
-  std::vector<wire::TensorDesc> descs_;
+  google::protobuf::RepeatedPtrField<wire::TensorDesc> descs_;
   // What the transport carries, in order.
   std::vector<at::Tensor> tensors_;
   // One per descriptor.

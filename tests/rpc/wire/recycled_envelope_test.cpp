@@ -15,6 +15,7 @@
 #include "proto/rpc/envelope.pb.h"
 #include "torchrpc/rpc/errors.h"
 #include "torchrpc/rpc/wire/envelope.h"
+#include "torchrpc/rpc/wire/value_codec.h"
 
 namespace torchrpc {
 namespace rpc {
@@ -179,6 +180,31 @@ TEST(RecycledEnvelope, AnEnvelopeReleasedWhileTheThreadEndsIsDeleted) {
   EXPECT_EQ(keptAfterTheLateRelease.load(), 0);
 }
 
+TEST(RecycledEnvelope, DescriptorsAreBuiltInTheElementsAnEnvelopeKept) {
+  wire::Envelope envelope;
+  {
+    ValueEncoder encoder(1, nullptr, nullptr);
+    encoder.reuseDescriptorsOf(&envelope);
+    encoder.encode(at::ones({4, 5, 6}, at::kDouble), envelope.add_values());
+    std::move(encoder).finish(&envelope);
+  }
+  ASSERT_EQ(envelope.tensors_size(), 1);
+  const wire::TensorDesc* kept = &envelope.tensors(0);
+  envelope.Clear();
+
+  ValueEncoder encoder(1, nullptr, nullptr);
+  encoder.reuseDescriptorsOf(&envelope);
+  encoder.encode(at::ones({2}), envelope.add_values());
+  auto tensors = std::move(encoder).finish(&envelope);
+  ASSERT_EQ(envelope.tensors_size(), 1);
+  EXPECT_EQ(&envelope.tensors(0), kept);
+  EXPECT_EQ(envelope.tensors(0).dtype(), static_cast<uint32_t>(at::kFloat));
+  ASSERT_EQ(envelope.tensors(0).sizes_size(), 1);
+  EXPECT_EQ(envelope.tensors(0).sizes(0), 2);
+  ASSERT_EQ(tensors.size(), 1u);
+  EXPECT_EQ(tensors[0].nbytes(), 8u);
+}
+
 // The codec on recycled envelopes: a message encoded after a larger one is
 // byte for byte what a thread with nothing kept encodes.
 TEST(RecycledEnvelope, AMessageAfterALargerOneCarriesNothingOfIt) {
@@ -203,6 +229,7 @@ TEST(RecycledEnvelope, AMessageAfterALargerOneCarriesNothingOfIt) {
     larger.timeout = std::chrono::milliseconds(500);
     larger.values = {
         c10::IValue(at::ones({2, 3})),
+        c10::IValue(at::ones({4, 5, 6}, at::kDouble)),
         c10::IValue(std::vector<int64_t>{1, 2}),
         c10::IValue("text")};
     codec.encodeRequest(to, 8, larger, nullptr, /*traced=*/true);
