@@ -15,6 +15,7 @@
 #include "proto/rpc/envelope.pb.h"
 #include "tests/support/wire_tensors.h"
 #include "torchrpc/rpc/errors.h"
+#include "torchrpc/rpc/wire/value_codec.h"
 
 namespace torchrpc {
 namespace rpc {
@@ -530,6 +531,46 @@ TEST_F(EnvelopeCodec, SummaryNamesKindDirectionAndId) {
   Message garbage;
   garbage.header = std::string("\xff\xff\xff", 3);
   EXPECT_FALSE(summarizeMessage(garbage).has_value());
+}
+
+// Protobuf's own nesting limit (100) is below what the codec accepts: the
+// deepest value it allows travels through parse(), and one level more is
+// refused there as malformed.
+TEST_F(EnvelopeCodec, TheDeepestValueAllowedParsesAndOneMoreLevelIsRefused) {
+  auto nested = [](int levels) {
+    c10::IValue inner = int64_t(7);
+    for (int i = 0; i < levels; ++i) {
+      c10::impl::GenericList list(c10::unshapedType(inner.type()));
+      list.push_back(std::move(inner));
+      inner = c10::IValue(std::move(list));
+    }
+    return inner;
+  };
+  auto deepest = nested(kMaxValueDepth - 1);
+  auto received = deliver(
+      callee_,
+      caller_.encodeRequest(kCallee, 5, request({deepest}), nullptr));
+  auto decoded = callee_.decodeRequest(
+      kCaller,
+      received.envelope,
+      std::move(received.tensors));
+  ASSERT_EQ(decoded.request.values.size(), 1u);
+  EXPECT_TRUE(decoded.request.values[0] == deepest);
+
+  // Built by hand: the encoder refuses to send it.
+  wire::Envelope tooDeep;
+  tooDeep.set_version(kWireVersion);
+  wire::Value* level = tooDeep.add_values();
+  for (int i = 0; i < 4 * kMaxValueDepth + 8; ++i) {
+    level = level->mutable_list()->add_elements();
+  }
+  level->set_int_value(7);
+  wire::Envelope parsed;
+  auto error = rpcErrorOf(
+      [&]() { callee_.parse(tooDeep.SerializeAsString(), &parsed); });
+  EXPECT_EQ(error.code(), ErrorCode::kMalformedMessage);
+  EXPECT_NE(error.detail().find("not an envelope"), std::string::npos)
+      << error.detail();
 }
 
 } // namespace
