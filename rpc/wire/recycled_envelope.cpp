@@ -55,18 +55,17 @@ struct KeptEnvelopesDeleter {
   }
 };
 
-// False when the thread keeps enough (or is ending); the caller deletes the
-// envelope then.
-bool keep(wire::Envelope* envelope) {
-  if (tlsKept.closed || tlsKept.count == kKeptPerThread) {
-    return false;
-  }
+// False when the thread keeps enough already, or is ending.
+bool roomToKeep() {
+  return !tlsKept.closed && tlsKept.count < kKeptPerThread;
+}
+
+void keep(wire::Envelope* envelope) {
   // Constructed on the thread's first keep, so it is destroyed at the
   // thread's end, after anything constructed before it.
   thread_local KeptEnvelopesDeleter deleter;
   (void)deleter;
   tlsKept.kept[tlsKept.count++] = envelope;
-  return true;
 }
 
 } // namespace
@@ -75,11 +74,13 @@ void EnvelopeRecycler::operator()(wire::Envelope* envelope) const noexcept {
   if (envelope == nullptr) {
     return;
   }
-  if (smallEnoughToKeep(*envelope)) {
+  // Room first: a thread that only releases (a pool thread running
+  // handlers of envelopes an io thread parsed) keeps a full cache, and
+  // clearing what is then deleted would be wasted.
+  if (roomToKeep() && smallEnoughToKeep(*envelope)) {
     envelope->Clear();
-    if (keep(envelope)) {
-      return;
-    }
+    keep(envelope);
+    return;
   }
   delete envelope;
 }
