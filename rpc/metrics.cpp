@@ -441,6 +441,12 @@ std::string formatPrometheus(const Metrics& m) {
   e.family("torchrpc_transport_connections_open", "Open connections.", "gauge")
       .sample(transport, static_cast<double>(m.transport.connectionsOpen));
   e.family(
+       "torchrpc_transport_local_connections_open",
+       "Of the open connections, those over a local socket (TCP, peers in "
+       "this network namespace).",
+       "gauge")
+      .sample(transport, static_cast<double>(m.transport.localConnectionsOpen));
+  e.family(
        "torchrpc_transport_heartbeat_misses_total",
        "Heartbeat intervals without a message on a connection.",
        "counter")
@@ -568,7 +574,8 @@ std::string formatMetricsText(const Metrics& m) {
     table.renderTo(out);
   }
   out << "transport " << m.transport.name << ": " << m.transport.connectionsOpen
-      << " connections, zero-copy bytes " << m.transport.zeroCopyBytes
+      << " connections (" << m.transport.localConnectionsOpen
+      << " over local sockets), zero-copy bytes " << m.transport.zeroCopyBytes
       << ", copied bytes " << m.transport.copiedBytes << " (by the copy helper "
       << m.transport.helperCopiedBytes << "), heartbeat misses "
       << m.transport.heartbeatMisses << ", reads " << m.transport.reads << "\n";

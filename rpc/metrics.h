@@ -105,6 +105,9 @@ struct TransportMetrics {
   uint64_t zeroCopyBytes = 0;
   uint64_t copiedBytes = 0;
   uint64_t connectionsOpen = 0;
+  // Of those, the ones over a local socket rather than the network (TCP,
+  // peers in this network namespace; Options::sameHostTransfers).
+  uint64_t localConnectionsOpen = 0;
   // The transport's own heartbeat misses, summed over its connections (a
   // transport with heartbeats of its own; PeerMetrics has them per peer).
   uint64_t heartbeatMisses = 0;

@@ -86,6 +86,7 @@ std::unique_ptr<Transport> makeTransport(
     tcp.pollAfterTraffic = options.ioPollAfterTraffic;
     tcp.pollWhileAwaiting = options.ioPollWhileAwaiting;
     tcp.sameHostZeroCopy = options.sameHostTransfers;
+    tcp.localSockets = options.sameHostTransfers;
     tcp.sharedMemoryMaxBytes = options.sharedMemoryMaxBytes;
     tcp.parallelCopyMinBytes = options.copyHelperMinBytes;
     return std::make_unique<detail::TcpTransport>(std::move(tcp));

@@ -269,6 +269,9 @@ StoreServer::StoreServer(StoreServerOptions options)
   transportOptions.heartbeatInterval = options.heartbeatInterval;
   transportOptions.peerTimeout = options.peerTimeout;
   transportOptions.sameHostZeroCopy = false;
+  // Clients connect to the host and port of the init method, never to an
+  // address this transport names.
+  transportOptions.localSockets = false;
   impl_ = std::make_shared<Impl>(std::move(options), state_);
   impl_->transport = std::make_unique<TcpTransport>(transportOptions);
   std::weak_ptr<Impl> weak = impl_;

@@ -50,6 +50,9 @@ struct TransportStats {
   uint64_t zeroCopyBytes = 0;
   uint64_t copiedBytes = 0;
   uint64_t connectionsOpen = 0;
+  // Of those, the ones over a local socket rather than the network (TCP's
+  // Note [Local sockets for peers on this host]).
+  uint64_t localConnectionsOpen = 0;
   // Heartbeat intervals that passed without a message, summed over the
   // connections (transports with heartbeats of their own).
   uint64_t heartbeatMisses = 0;

@@ -3,7 +3,7 @@
 // 2): two workers in this process, so on one host. Each test sends a large
 // tensor and checks where the callee found it (in a shared segment or not),
 // that it arrived exactly, and what the sender's metrics say its copy
-// helper did.
+// helper did and which connections went over a local socket.
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -95,14 +95,39 @@ TEST(SameHostOptions, ByDefaultBigTensorsTravelInSharedMemory) {
           "(by the copy helper " +
           std::to_string(m.transport.helperCopiedBytes) + ")"),
       std::string::npos);
+  // Its connections go over local sockets (Note [Local sockets for peers on
+  // this host]).
+  for (int rank : {0, 1}) {
+    rpc::Metrics r = (*c)[rank].metrics();
+    EXPECT_GE(r.transport.connectionsOpen, 1u) << rank;
+    EXPECT_EQ(r.transport.localConnectionsOpen, r.transport.connectionsOpen)
+        << rank;
+  }
+  const std::string open = std::to_string(m.transport.localConnectionsOpen);
+  EXPECT_NE(
+      rpc::formatPrometheus(m).find(
+          "torchrpc_transport_local_connections_open{worker=\"worker0\","
+          "transport=\"tcp\"} " +
+          open),
+      std::string::npos);
+  EXPECT_NE(
+      rpc::formatMetricsText(m).find(
+          "connections (" + open + " over local sockets)"),
+      std::string::npos);
 }
 
-TEST(SameHostOptions, SameHostTransfersOffOnEitherSideSendThroughTheSocket) {
+TEST(SameHostOptions, SameHostTransfersOffOnEitherSideSendOverTcp) {
   for (int off : {0, 1}) {
     auto c = cluster([off](int rank, rpc::Options& options) {
       options.sameHostTransfers = rank != off;
     });
     EXPECT_EQ(sendBigTensors(*c, 3, /*inSegment=*/false), 0u) << off;
+    // Nor is a local socket offered or tried: both go over TCP.
+    for (int rank : {0, 1}) {
+      rpc::Metrics m = (*c)[rank].metrics();
+      EXPECT_GE(m.transport.connectionsOpen, 1u) << off << rank;
+      EXPECT_EQ(m.transport.localConnectionsOpen, 0u) << off << rank;
+    }
   }
 }
 

@@ -14,11 +14,13 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -52,18 +54,52 @@ inline int portOf(const std::string& address) {
 
 // ---- Raw peers ----
 
-// A plain TCP client to 127.0.0.1, closed on destruction.
+// The local socket a TcpTransport's address names (Note [Local sockets for
+// peers on this host]): the name after the address's last '.', empty if
+// it names none.
+inline std::string localSocketOf(const std::string& address) {
+  if (address.find("?local=") == std::string::npos) {
+    return "";
+  }
+  return address.substr(address.rfind('.') + 1);
+}
+
+// Where a raw peer connects: a TCP port of 127.0.0.1, or a local socket by
+// name (localSocketOf).
+struct RawTarget {
+  int port = 0;
+  std::string localSocket;
+};
+
+// A plain client of 127.0.0.1's TCP port or of a local socket, closed on
+// destruction.
 class RawPeer {
  public:
-  explicit RawPeer(int port) {
+  explicit RawPeer(int port) : RawPeer(RawTarget{port, ""}) {}
+  explicit RawPeer(const RawTarget& target) {
+    if (!target.localSocket.empty()) {
+      fd_ = ::socket(AF_UNIX, SOCK_STREAM, 0);
+      sockaddr_un peer{};
+      peer.sun_family = AF_UNIX;
+      // Abstract: a NUL, then the name, and no terminator.
+      const std::string path = "torchrpc." + target.localSocket;
+      std::copy(path.begin(), path.end(), peer.sun_path + 1);
+      const auto length = static_cast<socklen_t>(
+          offsetof(sockaddr_un, sun_path) + 1 + path.size());
+      connected_ = fd_ >= 0 &&
+          ::connect(fd_, reinterpret_cast<sockaddr*>(&peer), length) == 0;
+      return;
+    }
     fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in peer{};
     peer.sin_family = AF_INET;
-    peer.sin_port = htons(static_cast<uint16_t>(port));
+    peer.sin_port = htons(static_cast<uint16_t>(target.port));
     ::inet_pton(AF_INET, "127.0.0.1", &peer.sin_addr);
     connected_ = fd_ >= 0 &&
         ::connect(fd_, reinterpret_cast<sockaddr*>(&peer), sizeof(peer)) == 0;
   }
+  RawPeer(const RawPeer&) = delete;
+  RawPeer& operator=(const RawPeer&) = delete;
   ~RawPeer() {
     close();
   }

@@ -16,6 +16,8 @@
 #include <optional>
 #include <utility>
 
+#include "torchrpc/rpc/log_level.h"
+
 namespace torchrpc {
 namespace rpc {
 namespace detail {
@@ -44,15 +46,6 @@ constexpr size_t kHoldMaxFrames = 32;
 constexpr size_t kCorkMaxFrames = 32;
 
 } // namespace
-
-std::string endpointString(const ip::tcp::endpoint& endpoint) {
-  const asio::ip::address address = endpoint.address();
-  std::string host = address.to_string();
-  if (address.is_v6()) {
-    host = "[" + host + "]";
-  }
-  return host + ":" + std::to_string(endpoint.port());
-}
 
 TcpConnectionImpl::TcpConnectionImpl(
     std::shared_ptr<TcpContext> context,
@@ -285,9 +278,11 @@ TransportError TcpConnectionImpl::fail(const TransportError& error) {
 
 // ---- Starting, on the strand ----
 
-void TcpConnectionImpl::startConnecting(const ip::tcp::endpoint& endpoint) {
+void TcpConnectionImpl::startConnecting(std::vector<Endpoint> endpoints) {
   auto self = shared_from_this();
-  runOnStrand([self, endpoint]() { self->connectFromLoop(endpoint); });
+  runOnStrand([self, endpoints = std::move(endpoints)]() mutable {
+    self->connectFromLoop(std::move(endpoints), 0);
+  });
 }
 
 void TcpConnectionImpl::startAccepted() {
@@ -300,26 +295,46 @@ bool TcpConnectionImpl::failedAlready() const {
   return failed_;
 }
 
-void TcpConnectionImpl::connectFromLoop(const ip::tcp::endpoint& endpoint) {
+void TcpConnectionImpl::connectFromLoop(
+    std::vector<Endpoint> endpoints,
+    size_t next) {
   TORCHRPC_ASSERT_IN_LOOP();
   if (failedAlready()) {
     return;
   }
-  armHandshakeTimerFromLoop();
+  if (next == 0) {
+    armHandshakeTimerFromLoop();
+  }
+  const Endpoint endpoint = endpoints.at(next);
   auto self = shared_from_this();
-  socket_.async_connect(endpoint, [self](const AsioError& ec) {
-    if (ec) {
-      self->fail(TransportError{
-          ErrorCode::kWorkerUnavailable,
-          "cannot connect to " + self->describe() + ": " + ec.message()});
-      return;
-    }
-    if (!self->setUpSocketFromLoop()) {
-      return;
-    }
-    self->sendHelloFromLoop();
-    self->readFrameHeaderFromLoop();
-  });
+  socket_.async_connect(
+      endpoint,
+      [self, endpoints = std::move(endpoints), next](
+          const AsioError& ec) mutable {
+        if (ec && next + 1 < endpoints.size() &&
+            ec != asio::error::operation_aborted) {
+          // Note [Local sockets for peers on this host]: the local socket
+          // is gone or refused; TCP may still answer.
+          TORCHRPC_LOG(kInfo) << "TcpConnection to " << self->describe()
+                              << ": local socket refused (" << ec.message()
+                              << "); connecting over TCP";
+          AsioError ignored;
+          self->socket_.close(ignored);
+          self->connectFromLoop(std::move(endpoints), next + 1);
+          return;
+        }
+        if (ec) {
+          self->fail(TransportError{
+              ErrorCode::kWorkerUnavailable,
+              "cannot connect to " + self->describe() + ": " + ec.message()});
+          return;
+        }
+        if (!self->setUpSocketFromLoop()) {
+          return;
+        }
+        self->sendHelloFromLoop();
+        self->readFrameHeaderFromLoop();
+      });
 }
 
 void TcpConnectionImpl::acceptFromLoop() {
@@ -352,21 +367,25 @@ void TcpConnectionImpl::scheduleReport() {
 bool TcpConnectionImpl::setUpSocketFromLoop() {
   TORCHRPC_ASSERT_IN_LOOP();
   AsioError ec;
-  socket_.set_option(ip::tcp::no_delay(true), ec);
+  const Endpoint remote = socket_.remote_endpoint(ec);
+  const bool local = !ec && isLocal(remote);
+  if (!ec && !local) {
+    socket_.set_option(ip::tcp::no_delay(true), ec);
+  }
   // NB: SO_SNDBUF/SO_RCVBUF stay at the kernel's autotuned defaults: fixing
   // them (1 or 4 MiB) measured slower for 64 MiB messages here.
   std::string peer;
-  ip::tcp::endpoint remote = socket_.remote_endpoint(ec);
   if (!ec) {
-    peer = endpointString(remote);
+    peer = describeEndpoint(remote, socket_.native_handle());
   }
   std::lock_guard<std::mutex> lock(mutex_);
   if (failed_) {
     return false;
   }
   fd_ = socket_.native_handle();
+  overLocalSocket_.store(local, std::memory_order_relaxed);
   if (handshake_.role == Role::kServer && !peer.empty()) {
-    describe_ = "peer at " + peer;
+    describe_ = local ? peer : "peer at " + peer;
   }
   return true;
 }

@@ -9,8 +9,8 @@
 
 #include <boost/asio/basic_stream_socket.hpp>
 #include <boost/asio/basic_waitable_timer.hpp>
+#include <boost/asio/generic/stream_protocol.hpp>
 #include <boost/asio/io_context.hpp>
-#include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/strand.hpp>
 
 #include <sys/types.h>
@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "torchrpc/rpc/transport/tcp/context.h"
+#include "torchrpc/rpc/transport/tcp/endpoints.h"
 #include "torchrpc/rpc/transport/tcp/frame.h"
 #include "torchrpc/rpc/transport/tcp/handshake.h"
 #include "torchrpc/rpc/transport/tcp/same_host.h"
@@ -39,7 +40,9 @@ namespace tcp {
 
 using Clock = std::chrono::steady_clock;
 using Strand = boost::asio::strand<boost::asio::io_context::executor_type>;
-using Socket = boost::asio::basic_stream_socket<boost::asio::ip::tcp, Strand>;
+// TCP or a local socket (Note [Local sockets for peers on this host]).
+using Socket = boost::asio::
+    basic_stream_socket<boost::asio::generic::stream_protocol, Strand>;
 using Timer = boost::asio::
     basic_waitable_timer<Clock, boost::asio::wait_traits<Clock>, Strand>;
 using AsioError = boost::system::error_code;
@@ -55,9 +58,6 @@ using AsioError = boost::system::error_code;
       ": ",                         \
       __func__,                     \
       " runs off its strand")
-
-// "ip:port", IPv6 in brackets.
-std::string endpointString(const boost::asio::ip::tcp::endpoint& endpoint);
 
 // Note [Buffered frame reads]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -147,6 +147,10 @@ class TcpConnectionImpl
   uint64_t heartbeatMisses() const {
     return heartbeatMisses_.load(std::memory_order_relaxed);
   }
+  // Connected over a local socket rather than TCP.
+  bool overLocalSocket() const {
+    return overLocalSocket_.load(std::memory_order_relaxed);
+  }
   // The first error sticks: pending sends fail with it, the socket shuts
   // down (which ends the pending read), onError runs on the strand.
   // Returns the error that stuck.
@@ -160,7 +164,10 @@ class TcpConnectionImpl
   // and does nothing, so no operation is left queued on a loop nobody runs
   // (it would hold this connection, and through it the io_context, for
   // good).
-  void startConnecting(const boost::asio::ip::tcp::endpoint& endpoint);
+  // Tries `endpoints` in order (a local socket, then TCP: Note [Local
+  // sockets for peers on this host]); the connection fails if none
+  // connects.
+  void startConnecting(std::vector<Endpoint> endpoints);
   void startAccepted();
 
  private:
@@ -168,7 +175,8 @@ class TcpConnectionImpl
   // ran): it would open a socket and arm a timer nobody waits for. The same
   // holds for every operation started from outside the io threads
   // (beginReadingFromLoop, awaitWritableFromLoop).
-  void connectFromLoop(const boost::asio::ip::tcp::endpoint& endpoint);
+  // Connects to endpoints[next], then to the next one if that fails.
+  void connectFromLoop(std::vector<Endpoint> endpoints, size_t next);
   void acceptFromLoop();
   bool failedAlready() const;
 
@@ -317,6 +325,7 @@ class TcpConnectionImpl
   Clock::time_point lastReceive_ = Clock::now();
   // Written on the strand, read by metrics on any thread.
   std::atomic<uint64_t> heartbeatMisses_{0};
+  std::atomic<bool> overLocalSocket_{false};
   SameHostState sameHost_;
   bool dataCma_ = false; // the frame being read is kDataCma or kDataShared
   bool dataShared_ = false; // ... kDataShared

@@ -3,9 +3,10 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
 
+#include <boost/asio/basic_socket_acceptor.hpp>
 #include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/generic/stream_protocol.hpp>
 #include <boost/asio/io_context.hpp>
-#include <boost/asio/ip/address.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/steady_timer.hpp>
@@ -13,6 +14,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -23,6 +25,7 @@
 #include "torchrpc/rpc/log_level.h"
 #include "torchrpc/rpc/transport/tcp/connection.h"
 #include "torchrpc/rpc/transport/tcp/context.h"
+#include "torchrpc/rpc/transport/tcp/endpoints.h"
 #include "torchrpc/rpc/transport/tcp/handshake.h"
 
 namespace torchrpc {
@@ -33,60 +36,14 @@ namespace tcp {
 namespace asio = boost::asio;
 namespace ip = boost::asio::ip;
 
+using Acceptor = asio::basic_socket_acceptor<asio::generic::stream_protocol>;
+
 namespace {
 
 // How long join() waits for the io threads before it stops them.
 constexpr auto kJoinTimeout = std::chrono::seconds(5);
 // Back-off after an accept error (e.g. out of file descriptors).
 constexpr auto kAcceptRetryDelay = std::chrono::milliseconds(50);
-
-// Parses "ip", "ip:port", "[ip6]" or "[ip6]:port". False if it does not.
-bool parseHostPort(
-    const std::string& text,
-    bool portRequired,
-    ip::tcp::endpoint& endpoint) {
-  std::string host = text;
-  std::string port;
-  if (!text.empty() && text[0] == '[') {
-    size_t close = text.find(']');
-    if (close == std::string::npos) {
-      return false;
-    }
-    host = text.substr(1, close - 1);
-    std::string rest = text.substr(close + 1);
-    if (!rest.empty()) {
-      if (rest[0] != ':') {
-        return false;
-      }
-      port = rest.substr(1);
-    }
-  } else if (std::count(text.begin(), text.end(), ':') == 1) {
-    size_t colon = text.find(':');
-    host = text.substr(0, colon);
-    port = text.substr(colon + 1);
-  }
-  if (port.empty() && portRequired) {
-    return false;
-  }
-  unsigned long portNumber = 0;
-  if (!port.empty()) {
-    if (port.size() > 5 ||
-        port.find_first_not_of("0123456789") != std::string::npos) {
-      return false;
-    }
-    portNumber = std::stoul(port);
-    if (portNumber > 65535) {
-      return false;
-    }
-  }
-  AsioError ec;
-  asio::ip::address address = asio::ip::make_address(host, ec);
-  if (ec) {
-    return false;
-  }
-  endpoint = ip::tcp::endpoint(address, static_cast<uint16_t>(portNumber));
-  return true;
-}
 
 // Lets threads waiting for a reply run this transport's loop (Note
 // [Waiting callers drive the transport] in rpc/detail/wait_drivers.h).
@@ -141,11 +98,19 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
         context_->heartbeatMisses.load(std::memory_order_relaxed);
     std::lock_guard<std::mutex> guard(context_->mutex);
     out.connectionsOpen = context_->live.size();
+    for (const auto& entry : context_->live) {
+      auto connection = entry.second.lock();
+      if (connection && connection->overLocalSocket()) {
+        ++out.localConnectionsOpen;
+      }
+    }
     return out;
   }
 
   explicit TcpTransportImpl(TcpTransportOptions options)
       : context_(std::make_shared<TcpContext>(std::move(options))),
+        network_(
+            context_->options.localSockets ? localNetwork() : std::string()),
         work_(asio::make_work_guard(context_->io)) {
     const TcpTransportOptions& o = context_->options;
     TORCH_CHECK(o.ioThreads >= 1, "TcpTransport needs at least one io thread");
@@ -182,25 +147,16 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
       context_->onAccept =
           std::make_shared<Transport::AcceptCallback>(std::move(onAccept));
     }
-    // The acceptor lives on a strand of its own: its handlers, the retry
-    // timer's and close()'s all run there, never two at once (a waiting
-    // caller that drives the loop is another thread).
-    auto acceptor =
-        std::make_shared<ip::tcp::acceptor>(asio::make_strand(context_->io));
     AsioError ec;
-    acceptor->open(endpoint.protocol(), ec);
-    if (!ec) {
-      acceptor->set_option(ip::tcp::acceptor::reuse_address(true), ec);
-    }
-    if (!ec) {
-      acceptor->bind(endpoint, ec);
-    }
-    if (!ec) {
-      acceptor->listen(asio::socket_base::max_listen_connections, ec);
-    }
+    std::shared_ptr<Acceptor> tcp = openAcceptor(Endpoint(endpoint), ec);
     ip::tcp::endpoint bound;
     if (!ec) {
-      bound = acceptor->local_endpoint(ec);
+      bound = ip::tcp::endpoint(endpoint.protocol(), 0);
+      Endpoint local = tcp->local_endpoint(ec);
+      if (!ec && local.size() <= bound.capacity()) {
+        std::memcpy(bound.data(), local.data(), local.size());
+        bound.resize(local.size());
+      }
     }
     TORCH_CHECK(
         !ec,
@@ -210,29 +166,51 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
         where,
         ": ",
         ec.message());
+    std::vector<std::shared_ptr<Acceptor>> acceptors{tcp};
+    std::string address = "tcp://" + endpointString(bound);
+    // Note [Local sockets for peers on this host]. Not offered when /proc
+    // does not say where it would be reachable; a failure to open it costs
+    // only the faster path.
+    if (!network_.empty()) {
+      const std::string name = newLocalSocketName();
+      std::shared_ptr<Acceptor> local =
+          openAcceptor(localSocketEndpoint(name), ec);
+      if (ec) {
+        TORCHRPC_LOG(kWarning) << "TcpTransport " << context_->options.name
+                               << ": no local socket for peers on this host ("
+                               << ec.message() << "); they connect over TCP";
+      } else {
+        acceptors.push_back(local);
+        address = withLocalSocket(address, network_, name);
+      }
+    }
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      acceptor_ = acceptor;
-      address_ = "tcp://" + endpointString(bound);
+      acceptors_ = acceptors;
+      address_ = address;
     }
     {
       // A close() that ran since the check above found no acceptor to close.
       std::lock_guard<std::mutex> lock(context_->mutex);
       if (context_->closed) {
-        AsioError ignored;
-        acceptor->close(ignored);
+        for (const auto& acceptor : acceptors) {
+          AsioError ignored;
+          acceptor->close(ignored);
+        }
         return;
       }
     }
     std::weak_ptr<TcpTransportImpl> weak = shared_from_this();
-    auto start = [weak, acceptor]() {
-      if (auto self = weak.lock()) {
-        self->acceptNext(acceptor);
+    for (const auto& acceptor : acceptors) {
+      auto start = [weak, acceptor]() {
+        if (auto self = weak.lock()) {
+          self->acceptNext(acceptor);
+        }
+      };
+      if (!context_->postUnlessJoined(acceptor->get_executor(), start)) {
+        AsioError ignored;
+        acceptor->close(ignored); // joined meanwhile: nothing will accept
       }
-    };
-    if (!context_->postUnlessJoined(acceptor->get_executor(), start)) {
-      AsioError ignored;
-      acceptor->close(ignored); // joined meanwhile: nothing will accept
     }
   }
 
@@ -266,15 +244,18 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
     }
     auto handle = std::make_shared<TcpConnection>(impl);
     ip::tcp::endpoint endpoint;
+    SplitAddress split;
     const std::string scheme = "tcp://";
-    if (address.rfind(scheme, 0) != 0 ||
+    if (!splitAddress(address, split) || split.tcp.rfind(scheme, 0) != 0 ||
         !parseHostPort(
-            address.substr(scheme.size()),
+            split.tcp.substr(scheme.size()),
             /*portRequired=*/true,
             endpoint)) {
       impl->fail(TransportError{
           ErrorCode::kWorkerUnavailable,
-          "not a TCP address ('tcp://ip:port'): '" + address + "'"});
+          "not a TCP address ('tcp://ip:port', optionally followed by "
+          "'?local=' and a local socket): '" +
+              address + "'"});
       return handle;
     }
     if (closed) {
@@ -283,7 +264,13 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
           "transport " + context_->options.name + " is closed"});
       return handle;
     }
-    impl->startConnecting(endpoint);
+    std::vector<Endpoint> endpoints;
+    if (split.name && context_->options.localSockets &&
+        *split.network == network_) {
+      endpoints.push_back(localSocketEndpoint(*split.name));
+    }
+    endpoints.emplace_back(endpoint);
+    impl->startConnecting(std::move(endpoints));
     return handle;
   }
 
@@ -301,12 +288,12 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
         }
       }
     }
-    std::shared_ptr<ip::tcp::acceptor> acceptor;
+    std::vector<std::shared_ptr<Acceptor>> acceptors;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      acceptor = acceptor_;
+      acceptors = acceptors_;
     }
-    if (acceptor) {
+    for (const auto& acceptor : acceptors) {
       auto closeAcceptor = [acceptor]() {
         AsioError ignored;
         acceptor->close(ignored);
@@ -371,7 +358,7 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
     threads_.clear();
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      acceptor_.reset();
+      acceptors_.clear();
     }
     {
       std::lock_guard<std::mutex> lock(context_->postMutex);
@@ -414,10 +401,30 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
     runningCv_.notify_all();
   }
 
+  // A listening acceptor on its own strand: its handlers, the retry
+  // timer's and close()'s all run there, never two at once (a waiting
+  // caller that drives the loop is another thread).
+  std::shared_ptr<Acceptor> openAcceptor(
+      const Endpoint& endpoint,
+      AsioError& ec) {
+    auto acceptor = std::make_shared<Acceptor>(asio::make_strand(context_->io));
+    acceptor->open(endpoint.protocol(), ec);
+    if (!ec && !isLocal(endpoint)) {
+      acceptor->set_option(Acceptor::reuse_address(true), ec);
+    }
+    if (!ec) {
+      acceptor->bind(endpoint, ec);
+    }
+    if (!ec) {
+      acceptor->listen(asio::socket_base::max_listen_connections, ec);
+    }
+    return acceptor;
+  }
+
   // The acceptor's handlers hold the transport weakly: one left queued
   // (join() stopped a loop that would not finish) must not keep it, and
   // through it the io_context that holds the handler, alive for good.
-  void acceptNext(const std::shared_ptr<ip::tcp::acceptor>& acceptor) {
+  void acceptNext(const std::shared_ptr<Acceptor>& acceptor) {
     Strand strand = asio::make_strand(context_->io);
     std::weak_ptr<TcpTransportImpl> weak = shared_from_this();
     acceptor->async_accept(
@@ -430,7 +437,7 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
   }
 
   void onAccepted(
-      const std::shared_ptr<ip::tcp::acceptor>& acceptor,
+      const std::shared_ptr<Acceptor>& acceptor,
       const Strand& strand,
       const AsioError& ec,
       Socket socket) {
@@ -455,7 +462,8 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
       return;
     }
     AsioError ignored;
-    ip::tcp::endpoint remote = socket.remote_endpoint(ignored);
+    const Endpoint remote = socket.remote_endpoint(ignored);
+    const std::string peer = describeEndpoint(remote, socket.native_handle());
     std::shared_ptr<TcpConnectionImpl> evicted;
     std::shared_ptr<TcpConnectionImpl> impl;
     {
@@ -468,7 +476,7 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
             id,
             strand,
             std::move(socket),
-            "peer at " + endpointString(remote));
+            isLocal(remote) ? peer : "peer at " + peer);
         context_->live[id] = impl;
         if (context_->handshaking.size() >= kMaxHandshakingConnections) {
           evicted = context_->handshaking.front().second.lock();
@@ -494,6 +502,9 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
   }
 
   const std::shared_ptr<TcpContext> context_;
+  // Where our local sockets are reachable (empty: none offered or tried;
+  // Note [Local sockets for peers on this host]).
+  const std::string network_;
   asio::executor_work_guard<asio::io_context::executor_type> work_;
   std::vector<std::thread> threads_;
   // Set while polling is on; reset by join().
@@ -506,7 +517,8 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
   // connection it found.
   bool closeFinished_ = false;
   std::condition_variable closeFinishedCv_;
-  std::shared_ptr<ip::tcp::acceptor> acceptor_;
+  // TCP's, then the local socket's (if any).
+  std::vector<std::shared_ptr<Acceptor>> acceptors_;
   std::string address_;
 };
 

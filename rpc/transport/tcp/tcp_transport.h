@@ -47,6 +47,11 @@ struct TcpTransportOptions {
   // Note [Polling after traffic] in tcp/polling.h.
   std::chrono::microseconds pollAfterTraffic{0};
   std::chrono::microseconds pollWhileAwaiting{0};
+  // listen() also opens a Unix-domain socket that address() names, and
+  // connect() uses it for a peer in this network namespace whose address
+  // names one (TCP if it refuses). See Note [Local sockets for peers on this
+  // host] in tcp/endpoints.h.
+  bool localSockets = true;
   // Tensors of at least zeroCopyMinBytes sent to a peer on this host that
   // proved it can read our memory travel as (address, length) and are read
   // by the peer with process_vm_readv: one copy instead of two plus the
@@ -69,12 +74,14 @@ struct TcpTransportOptions {
   size_t parallelCopyMinBytes = size_t(1) << 20;
 };
 
-// Transport over TCP with Boost.Asio. The protocol is in three Notes:
+// Transport over TCP with Boost.Asio. The protocol is in four Notes:
 //   Note [TCP transport wire format]   in tcp/frame.h,
 //   Note [TCP transport handshake]     in tcp/handshake.h,
 //   Note [TCP same-host zero copy]     in tcp/same_host.h,
-//   Note [TCP same-host shared memory] in tcp/shared_segments.h.
-// The other files of rpc/transport/tcp/ are private to the rpc layer.
+//   Note [TCP same-host shared memory] in tcp/shared_segments.h,
+// and the sockets under them in Note [Local sockets for peers on this
+// host] in tcp/endpoints.h. The other files of rpc/transport/tcp/ are
+// private to the rpc layer.
 //
 // Threads: reads, accepts and timers run on this transport's io threads;
 // each connection's callbacks (onMessage, onError) are serialized on its own
@@ -97,10 +104,11 @@ class TcpTransport : public Transport {
   std::string name() const override;
   // Binds listenAddress; throws c10::Error if it cannot.
   void listen(AcceptCallback onAccept) override;
-  // "tcp://ip:port"; valid after listen().
+  // "tcp://ip:port", followed by "?local=..." when a local socket is open
+  // (Note [Local sockets for peers on this host]); valid after listen().
   std::string address() const override;
-  // Accepts "tcp://ip:port" ("tcp://[ip6]:port"); anything else fails the
-  // returned connection with kWorkerUnavailable.
+  // Accepts what address() returns ("tcp://[ip6]:port" for IPv6); anything
+  // else fails the returned connection with kWorkerUnavailable.
   std::shared_ptr<Connection> connect(const std::string& address) override;
   void close() override;
   // Bounded: waits for the io threads at most a few seconds. Must not run on

@@ -66,14 +66,18 @@ std::vector<at::Tensor> variedTensors(bool big) {
 // The transport under test. Over TensorPipe, optionally with its "basic"
 // channel only: tensor bytes then travel through the connection itself
 // rather than a channel of their own.
+// Over TCP, optionally without local sockets: connections then go over
+// loopback TCP rather than the Unix-domain socket beside it.
 struct TransportUnderTest {
   TransportKind kind;
   bool tensorPipeBasicChannelOnly = false;
+  bool tcpWithoutLocalSockets = false;
 };
 
 std::string nameOf(const TransportUnderTest& t) {
   return torchrpc::testing::transportName(t.kind) +
-      (t.tensorPipeBasicChannelOnly ? "BasicChannel" : "");
+      (t.tensorPipeBasicChannelOnly ? "BasicChannel" : "") +
+      (t.tcpWithoutLocalSockets ? "WithoutLocalSockets" : "");
 }
 
 void PrintTo(const TransportUnderTest& t, std::ostream* out) {
@@ -100,6 +104,7 @@ class TransportTest : public ::testing::TestWithParam<TransportUnderTest> {
         detail::TcpTransportOptions options;
         options.limits = limits;
         options.name = "test" + std::to_string(nextName_++);
+        options.localSockets = !GetParam().tcpWithoutLocalSockets;
         return std::make_unique<detail::TcpTransport>(options);
       }
       case TransportKind::kAuto:
@@ -593,7 +598,11 @@ INSTANTIATE_TEST_SUITE_P(
         TransportUnderTest{
             TransportKind::kTensorPipe,
             /*tensorPipeBasicChannelOnly=*/true},
-        TransportUnderTest{TransportKind::kTcp}),
+        TransportUnderTest{TransportKind::kTcp},
+        TransportUnderTest{
+            TransportKind::kTcp,
+            /*tensorPipeBasicChannelOnly=*/false,
+            /*tcpWithoutLocalSockets=*/true}),
     [](const ::testing::TestParamInfo<TransportUnderTest>& info) {
       return nameOf(info.param);
     });

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "tests/support/tcp_peers.h"
 #include "torchrpc/rpc/transport/tcp/connection.h"
@@ -18,16 +19,17 @@ namespace rpc {
 namespace {
 
 using namespace harness;
+using detail::tcp::Endpoint;
 using detail::tcp::Role;
 using detail::tcp::Socket;
 using detail::tcp::Strand;
 using detail::tcp::TcpConnectionImpl;
 using detail::tcp::TcpContext;
 
-boost::asio::ip::tcp::endpoint loopback(int port) {
-  return boost::asio::ip::tcp::endpoint(
+std::vector<Endpoint> loopback(int port) {
+  return {Endpoint(boost::asio::ip::tcp::endpoint(
       boost::asio::ip::make_address("127.0.0.1"),
-      static_cast<unsigned short>(port));
+      static_cast<unsigned short>(port)))};
 }
 
 // A client connection on a context of its own, with no io thread: the

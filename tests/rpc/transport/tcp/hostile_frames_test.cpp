@@ -1,8 +1,10 @@
 // A TCP listener under hostile peers (Note [TCP transport wire format],
 // rpc/transport/tcp/frame.h): garbage, lies about lengths, half-open and
 // churning connections, bad data frames after a good handshake. After each,
-// the established connection and a fresh one still work. The worker-level
-// counterpart is tests/rpc/hostile_peer_test.cpp.
+// the established connection and a fresh one still work. Each test runs
+// against the TCP port and against the local socket beside it (Note [Local
+// sockets for peers on this host]). The worker-level counterpart is
+// tests/rpc/hostile_peer_test.cpp.
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -25,27 +27,38 @@ namespace {
 
 using namespace harness;
 
-using TcpHostilePeerTest = TcpListenerFixture;
+// The parameter: whether the hostile peer comes through the local socket.
+class TcpHostilePeerTest : public TcpListenerFixture,
+                           public ::testing::WithParamInterface<bool> {
+ protected:
+  RawTarget target() const {
+    RawTarget target{port_, ""};
+    if (GetParam()) {
+      target.localSocket = localSocketOf(server_->address());
+    }
+    return target;
+  }
+};
 
-TEST_F(TcpHostilePeerTest, RandomBytesAreDropped) {
-  RawPeer peer(port_);
+TEST_P(TcpHostilePeerTest, RandomBytesAreDropped) {
+  RawPeer peer(target());
   ASSERT_TRUE(peer.connected());
   peer.write(randomBytes(1024, 1));
   EXPECT_TRUE(peer.waitClosedByServer());
   expectListenerHealthy();
 }
 
-TEST_F(TcpHostilePeerTest, ValidHeaderWithGarbageBodyIsDropped) {
-  RawPeer peer(port_);
+TEST_P(TcpHostilePeerTest, ValidHeaderWithGarbageBodyIsDropped) {
+  RawPeer peer(target());
   ASSERT_TRUE(peer.connected());
   peer.write(rawFrameHeader(kHello, 100, 0) + randomBytes(100, 2));
   EXPECT_TRUE(peer.waitClosedByServer());
   expectListenerHealthy();
 }
 
-TEST_F(TcpHostilePeerTest, HugeLengthsAreRefusedBeforeAllocating) {
+TEST_P(TcpHostilePeerTest, HugeLengthsAreRefusedBeforeAllocating) {
   for (uint32_t count : {0u, 0xffffffffu}) {
-    RawPeer peer(port_);
+    RawPeer peer(target());
     ASSERT_TRUE(peer.connected());
     peer.write(rawFrameHeader(kHello, 0xffffffffu, count));
     EXPECT_TRUE(peer.waitClosedByServer());
@@ -53,8 +66,8 @@ TEST_F(TcpHostilePeerTest, HugeLengthsAreRefusedBeforeAllocating) {
   expectListenerHealthy();
 }
 
-TEST_F(TcpHostilePeerTest, TruncatedHandshakeHeldOpenIsDroppedAtTheDeadline) {
-  RawPeer peer(port_);
+TEST_P(TcpHostilePeerTest, TruncatedHandshakeHeldOpenIsDroppedAtTheDeadline) {
+  RawPeer peer(target());
   ASSERT_TRUE(peer.connected());
   peer.write(rawHello("slow", false).substr(0, 10));
   auto start = Clock::now();
@@ -65,34 +78,34 @@ TEST_F(TcpHostilePeerTest, TruncatedHandshakeHeldOpenIsDroppedAtTheDeadline) {
   expectListenerHealthy();
 }
 
-TEST_F(TcpHostilePeerTest, ConnectThenCloseOnce) {
+TEST_P(TcpHostilePeerTest, ConnectThenCloseOnce) {
   {
-    RawPeer peer(port_);
+    RawPeer peer(target());
     ASSERT_TRUE(peer.connected());
   }
   expectListenerHealthy();
 }
 
-TEST_F(TcpHostilePeerTest, FiftyConnectThenCloseInARow) {
+TEST_P(TcpHostilePeerTest, FiftyConnectThenCloseInARow) {
   for (int i = 0; i < 50; ++i) {
-    RawPeer peer(port_);
+    RawPeer peer(target());
     ASSERT_TRUE(peer.connected());
   }
   expectListenerHealthy();
 }
 
-TEST_F(TcpHostilePeerTest, ManyHalfOpenConnectionsEvictTheOldest) {
+TEST_P(TcpHostilePeerTest, ManyHalfOpenConnectionsEvictTheOldest) {
   // More silent peers than the transport keeps in their handshake.
   std::vector<std::unique_ptr<RawPeer>> peers;
   for (int i = 0; i < 100; ++i) {
-    peers.push_back(std::make_unique<RawPeer>(port_));
+    peers.push_back(std::make_unique<RawPeer>(target()));
     ASSERT_TRUE(peers.back()->connected());
   }
   expectListenerHealthy();
   EXPECT_TRUE(peers.front()->waitClosedByServer(1s));
 }
 
-TEST_F(TcpHostilePeerTest, BadDataFramesFailOnlyTheirConnection) {
+TEST_P(TcpHostilePeerTest, BadDataFramesFailOnlyTheirConnection) {
   struct Case {
     std::string what;
     std::string bytes;
@@ -109,7 +122,7 @@ TEST_F(TcpHostilePeerTest, BadDataFramesFailOnlyTheirConnection) {
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
     size_t index = acceptor_->count();
-    RawPeer peer(port_);
+    RawPeer peer(target());
     ASSERT_TRUE(peer.connected());
     // A proper handshake first: the server then hands the connection over.
     ASSERT_TRUE(peer.write(rawHello("raw", false)));
@@ -125,6 +138,30 @@ TEST_F(TcpHostilePeerTest, BadDataFramesFailOnlyTheirConnection) {
     EXPECT_TRUE(peer.waitClosedByServer());
   }
   expectListenerHealthy();
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    TcpAndLocalSocket,
+    TcpHostilePeerTest,
+    ::testing::Bool(),
+    [](const ::testing::TestParamInfo<bool>& info) {
+      return info.param ? "LocalSocket" : "Tcp";
+    });
+
+// The limit on connections in their handshake counts both acceptors'
+// together: silent peers on the TCP port, then as many on the local socket,
+// evict the oldest TCP ones.
+TEST_F(TcpListenerFixture, HalfOpenPeersOfBothSocketsShareOneLimit) {
+  const std::string local = localSocketOf(server_->address());
+  ASSERT_FALSE(local.empty());
+  std::vector<std::unique_ptr<RawPeer>> peers;
+  for (int i = 0; i < 100; ++i) {
+    peers.push_back(
+        std::make_unique<RawPeer>(RawTarget{port_, i < 50 ? "" : local}));
+    ASSERT_TRUE(peers.back()->connected());
+  }
+  expectListenerHealthy();
+  EXPECT_TRUE(peers.front()->waitClosedByServer(1s));
 }
 
 } // namespace
