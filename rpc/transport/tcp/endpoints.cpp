@@ -160,6 +160,18 @@ bool isLocal(const Endpoint& endpoint) {
   return endpoint.protocol().family() == AF_UNIX;
 }
 
+std::optional<ip::tcp::endpoint> ipEndpointOf(const Endpoint& endpoint) {
+  const int family = endpoint.protocol().family();
+  ip::tcp::endpoint out;
+  if ((family != AF_INET && family != AF_INET6) ||
+      endpoint.size() > out.capacity()) {
+    return std::nullopt;
+  }
+  std::memcpy(out.data(), endpoint.data(), endpoint.size());
+  out.resize(endpoint.size());
+  return out;
+}
+
 std::string describeEndpoint(const Endpoint& endpoint, int fd) {
   if (isLocal(endpoint)) {
     struct ucred credentials {};
@@ -171,13 +183,8 @@ std::string describeEndpoint(const Endpoint& endpoint, int fd) {
     }
     return "local peer";
   }
-  ip::tcp::endpoint tcp;
-  if (endpoint.size() > tcp.capacity()) {
-    return "peer";
-  }
-  std::memcpy(tcp.data(), endpoint.data(), endpoint.size());
-  tcp.resize(endpoint.size());
-  return endpointString(tcp);
+  const auto ip = ipEndpointOf(endpoint);
+  return ip ? endpointString(*ip) : "peer";
 }
 
 } // namespace tcp

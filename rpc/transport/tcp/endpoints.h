@@ -95,6 +95,10 @@ std::string describeEndpoint(const Endpoint& endpoint, int fd);
 // Whether the endpoint is a Unix-domain one.
 bool isLocal(const Endpoint& endpoint);
 
+// The IP endpoint a generic one holds; nullopt for any other family.
+std::optional<boost::asio::ip::tcp::endpoint> ipEndpointOf(
+    const Endpoint& endpoint);
+
 } // namespace tcp
 } // namespace detail
 } // namespace rpc

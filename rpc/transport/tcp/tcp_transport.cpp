@@ -12,11 +12,10 @@
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/strand.hpp>
 
-#include <algorithm>
 #include <condition_variable>
-#include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -149,13 +148,11 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
     }
     AsioError ec;
     std::shared_ptr<Acceptor> tcp = openAcceptor(Endpoint(endpoint), ec);
-    ip::tcp::endpoint bound;
+    std::optional<ip::tcp::endpoint> bound;
     if (!ec) {
-      bound = ip::tcp::endpoint(endpoint.protocol(), 0);
-      Endpoint local = tcp->local_endpoint(ec);
-      if (!ec && local.size() <= bound.capacity()) {
-        std::memcpy(bound.data(), local.data(), local.size());
-        bound.resize(local.size());
+      bound = ipEndpointOf(tcp->local_endpoint(ec));
+      if (!ec && !bound) {
+        ec = asio::error::address_family_not_supported;
       }
     }
     TORCH_CHECK(
@@ -167,7 +164,7 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
         ": ",
         ec.message());
     std::vector<std::shared_ptr<Acceptor>> acceptors{tcp};
-    std::string address = "tcp://" + endpointString(bound);
+    std::string address = "tcp://" + endpointString(*bound);
     // Note [Local sockets for peers on this host]. Not offered when /proc
     // does not say where it would be reachable; a failure to open it costs
     // only the faster path.
