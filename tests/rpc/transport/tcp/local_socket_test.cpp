@@ -6,9 +6,14 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -231,6 +236,51 @@ TEST(TcpLocalSocket, ALocalSocketThatIsGoneFallsBackToTcp) {
       acceptor,
       client,
       detail::tcp::withLocalSocket(split.tcp, *split.network, kName));
+}
+
+// A local socket whose listener takes no more connections (its backlog is
+// full: the kernel refuses a non-blocking connect with EAGAIN rather than
+// queueing it as TCP would): the connection goes on over TCP.
+TEST(TcpLocalSocket, AFullLocalSocketFallsBackToTcp) {
+  detail::TcpTransport server(testOptions("server"));
+  Acceptor acceptor(server);
+  detail::TcpTransport client(testOptions("client"));
+  SplitAddress split;
+  ASSERT_TRUE(detail::tcp::splitAddress(server.address(), split));
+  ASSERT_TRUE(split.network.has_value());
+
+  // A listener under our own name that never accepts, its backlog full.
+  const int listener = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_un where{};
+  where.sun_family = AF_UNIX;
+  const std::string path = "torchrpc." + kName;
+  std::copy(path.begin(), path.end(), where.sun_path + 1);
+  const auto length =
+      static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + path.size());
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&where), length), 0);
+  ASSERT_EQ(::listen(listener, 0), 0);
+  std::vector<int> queued;
+  for (int i = 0; i < 16; ++i) {
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0);
+    ASSERT_GE(fd, 0);
+    queued.push_back(fd);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&where), length) != 0) {
+      ASSERT_EQ(errno, EAGAIN);
+      break;
+    }
+  }
+  ASSERT_LT(queued.size(), 16u) << "the backlog never filled";
+
+  expectOverTcp(
+      server,
+      acceptor,
+      client,
+      detail::tcp::withLocalSocket(split.tcp, *split.network, kName));
+  for (int fd : queued) {
+    ::close(fd);
+  }
+  ::close(listener);
 }
 
 TEST(TcpLocalSocket, AMalformedSuffixFailsTheConnectionNamingTheAddress) {
