@@ -183,6 +183,26 @@ void expectOverTcp(
   EXPECT_EQ(client.stats().localConnectionsOpen, 0u);
 }
 
+// A server and a client with the default options, and the server's
+// address split.
+class TcpLocalSocketFallback : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(detail::tcp::splitAddress(server_.address(), split_));
+    ASSERT_TRUE(split_.network.has_value());
+    ASSERT_TRUE(split_.name.has_value());
+  }
+  // The server's address with its local socket replaced.
+  std::string addressWith(const std::string& network, const std::string& name) {
+    return detail::tcp::withLocalSocket(split_.tcp, network, name);
+  }
+
+  detail::TcpTransport server_{testOptions("server")};
+  Acceptor acceptor_{server_};
+  detail::TcpTransport client_{testOptions("client")};
+  SplitAddress split_;
+};
+
 TEST(TcpLocalSocket, AServerWithoutOneIsReachedOverTcp) {
   detail::TcpTransportOptions options = testOptions("server");
   options.localSockets = false;
@@ -205,50 +225,34 @@ TEST(TcpLocalSocket, AClientWithoutThemConnectsOverTcp) {
 
 // An address from another network namespace (a container, another host
 // with the same boot id) names a socket that is not ours to reach.
-TEST(TcpLocalSocket, AnAddressOfAnotherNamespaceConnectsOverTcp) {
-  detail::TcpTransport server(testOptions("server"));
-  Acceptor acceptor(server);
-  detail::TcpTransport client(testOptions("client"));
-  SplitAddress split;
-  ASSERT_TRUE(detail::tcp::splitAddress(server.address(), split));
-  ASSERT_TRUE(split.name.has_value());
-  const std::string network = *split.network;
+TEST_F(TcpLocalSocketFallback, AnAddressOfAnotherNamespaceConnectsOverTcp) {
+  const std::string& network = *split_.network;
   const uint64_t inode = std::stoull(network.substr(network.find('.') + 1));
-  const std::string elsewhere = detail::tcp::withLocalSocket(
-      split.tcp,
-      network.substr(0, network.find('.')) + "." + std::to_string(inode + 1),
-      *split.name);
-  expectOverTcp(server, acceptor, client, elsewhere);
+  expectOverTcp(
+      server_,
+      acceptor_,
+      client_,
+      addressWith(
+          network.substr(0, network.find('.')) + "." +
+              std::to_string(inode + 1),
+          *split_.name));
 }
 
 // The local connect fails (no such socket): the connection goes on over
 // TCP rather than failing.
-TEST(TcpLocalSocket, ALocalSocketThatIsGoneFallsBackToTcp) {
-  detail::TcpTransport server(testOptions("server"));
-  Acceptor acceptor(server);
-  detail::TcpTransport client(testOptions("client"));
-  SplitAddress split;
-  ASSERT_TRUE(detail::tcp::splitAddress(server.address(), split));
-  ASSERT_TRUE(split.name.has_value());
-  ASSERT_NE(*split.name, kName);
+TEST_F(TcpLocalSocketFallback, ALocalSocketThatIsGoneFallsBackToTcp) {
+  ASSERT_NE(*split_.name, kName);
   expectOverTcp(
-      server,
-      acceptor,
-      client,
-      detail::tcp::withLocalSocket(split.tcp, *split.network, kName));
+      server_,
+      acceptor_,
+      client_,
+      addressWith(*split_.network, kName));
 }
 
 // A local socket whose listener takes no more connections (its backlog is
 // full: the kernel refuses a non-blocking connect with EAGAIN rather than
 // queueing it as TCP would): the connection goes on over TCP.
-TEST(TcpLocalSocket, AFullLocalSocketFallsBackToTcp) {
-  detail::TcpTransport server(testOptions("server"));
-  Acceptor acceptor(server);
-  detail::TcpTransport client(testOptions("client"));
-  SplitAddress split;
-  ASSERT_TRUE(detail::tcp::splitAddress(server.address(), split));
-  ASSERT_TRUE(split.network.has_value());
-
+TEST_F(TcpLocalSocketFallback, AFullLocalSocketFallsBackToTcp) {
   // A listener under our own name that never accepts, its backlog full.
   const int listener = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   ASSERT_GE(listener, 0);
@@ -273,10 +277,10 @@ TEST(TcpLocalSocket, AFullLocalSocketFallsBackToTcp) {
   ASSERT_LT(queued.size(), 16u) << "the backlog never filled";
 
   expectOverTcp(
-      server,
-      acceptor,
-      client,
-      detail::tcp::withLocalSocket(split.tcp, *split.network, kName));
+      server_,
+      acceptor_,
+      client_,
+      addressWith(*split_.network, kName));
   for (int fd : queued) {
     ::close(fd);
   }
