@@ -4,11 +4,9 @@
 #include <boost/asio/local/stream_protocol.hpp>
 
 #include <sys/socket.h>
-#include <sys/stat.h>
 
 #include <algorithm>
 #include <cstring>
-#include <fstream>
 
 #include "torchrpc/rpc/transport/tcp/handshake.h"
 
@@ -26,6 +24,7 @@ constexpr char kLocalSuffix[] = "?local=";
 constexpr char kAbstractPrefix[] = "torchrpc.";
 constexpr size_t kNameHexDigits = 32;
 // A boot id is a UUID (36 characters); an inode fits 20 digits.
+constexpr char kBootIdChars[] = "0123456789abcdef-";
 constexpr size_t kMaxBootIdChars = 64;
 constexpr size_t kMaxInodeDigits = 20;
 
@@ -90,16 +89,12 @@ std::string endpointString(const ip::tcp::endpoint& endpoint) {
   return host + ":" + std::to_string(endpoint.port());
 }
 
-std::string localNetwork() {
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::string bootId;
-  struct stat info {};
-  if (!std::getline(in, bootId) || bootId.empty() ||
-      bootId.size() > kMaxBootIdChars || !allOf(bootId, "0123456789abcdef-") ||
-      ::stat("/proc/self/ns/net", &info) != 0) {
+std::string localNetwork(const HostIdentity& host) {
+  if (host.bootId.empty() || host.bootId.size() > kMaxBootIdChars ||
+      !allOf(host.bootId, kBootIdChars) || host.networkNamespace == 0) {
     return "";
   }
-  return bootId + "." + std::to_string(info.st_ino);
+  return host.bootId + "." + std::to_string(host.networkNamespace);
 }
 
 std::string newLocalSocketName() {
@@ -146,7 +141,7 @@ bool splitAddress(const std::string& address, SplitAddress& out) {
   const std::string inode = rest.substr(firstDot + 1, lastDot - firstDot - 1);
   const std::string name = rest.substr(lastDot + 1);
   if (bootId.empty() || bootId.size() > kMaxBootIdChars ||
-      !allOf(bootId, "0123456789abcdef-") || inode.empty() ||
+      !allOf(bootId, kBootIdChars) || inode.empty() ||
       inode.size() > kMaxInodeDigits || !allOf(inode, "0123456789") ||
       name.size() != kNameHexDigits || !allOf(name, "0123456789abcdef")) {
     return false;

@@ -12,6 +12,8 @@
 #include <optional>
 #include <string>
 
+#include "torchrpc/rpc/transport/tcp/same_host.h"
+
 namespace torchrpc {
 namespace rpc {
 namespace detail {
@@ -61,10 +63,10 @@ bool parseHostPort(
 // "ip:port", IPv6 in brackets.
 std::string endpointString(const boost::asio::ip::tcp::endpoint& endpoint);
 
-// Where this process's abstract sockets are reachable: "<boot id>.<network
-// namespace inode>", from /proc; empty when /proc does not say (then no
-// local socket is offered or tried).
-std::string localNetwork();
+// Where the abstract sockets of a process with identity `host` are
+// reachable: "<boot id>.<network namespace inode>"; empty when the identity
+// does not say (then no local socket is offered or tried).
+std::string localNetwork(const HostIdentity& host);
 
 // A new random name (32 hex digits) and its abstract endpoint.
 std::string newLocalSocketName();

@@ -35,6 +35,9 @@ HostIdentity localHostIdentity() {
       ::stat("/proc/self/ns/pid", &info) == 0) {
     identity.bootId = bootId;
     identity.pidNamespace = info.st_ino;
+    if (::stat("/proc/self/ns/net", &info) == 0) {
+      identity.networkNamespace = info.st_ino;
+    }
   }
   return identity;
 }

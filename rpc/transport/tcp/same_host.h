@@ -56,6 +56,9 @@ constexpr size_t kChallengeBytes = 16;
 struct HostIdentity {
   std::string bootId;
   uint64_t pidNamespace = 0;
+  // Where this process's abstract Unix sockets are reachable (0: unknown);
+  // Note [Local sockets for peers on this host] in tcp/endpoints.h.
+  uint64_t networkNamespace = 0;
 };
 
 // This process's, from /proc; empty when /proc does not say.

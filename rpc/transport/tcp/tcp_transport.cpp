@@ -109,7 +109,8 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
   explicit TcpTransportImpl(TcpTransportOptions options)
       : context_(std::make_shared<TcpContext>(std::move(options))),
         network_(
-            context_->options.localSockets ? localNetwork() : std::string()),
+            context_->options.localSockets ? localNetwork(localHostIdentity())
+                                           : std::string()),
         work_(asio::make_work_guard(context_->io)) {
     const TcpTransportOptions& o = context_->options;
     TORCH_CHECK(o.ioThreads >= 1, "TcpTransport needs at least one io thread");

@@ -45,7 +45,8 @@ std::string networkFromProc() {
 }
 
 TEST(LocalSocketAddress, NamesItsNetworkAndNameAndParsesBack) {
-  const std::string network = detail::tcp::localNetwork();
+  const std::string network =
+      detail::tcp::localNetwork(detail::tcp::localHostIdentity());
   EXPECT_EQ(network, networkFromProc());
 
   const std::string address =
