@@ -24,7 +24,7 @@ void encodeCall(benchmark::State& state) {
   auto args = callArguments(state.range(0));
   for (auto _ : state) {
     wire::Envelope envelope;
-    envelope.set_version(1);
+    envelope.set_version(torchrpc::rpc::detail::kWireVersion);
     envelope.set_id(42);
     envelope.set_body("scale");
     ValueEncoder encoder(1, nullptr, nullptr);
@@ -32,7 +32,7 @@ void encodeCall(benchmark::State& state) {
       encoder.encode(arg, envelope.add_values());
     }
     auto tensors = std::move(encoder).finish(&envelope);
-    std::string header = envelope.SerializeAsString();
+    std::string header = torchrpc::rpc::detail::serializeEnvelope(envelope);
     benchmark::DoNotOptimize(header);
     benchmark::DoNotOptimize(tensors);
   }
@@ -42,13 +42,13 @@ BENCHMARK(encodeCall)->Arg(1)->Arg(1 << 20);
 void decodeCall(benchmark::State& state) {
   auto args = callArguments(state.range(0));
   wire::Envelope envelope;
-  envelope.set_version(1);
+  envelope.set_version(torchrpc::rpc::detail::kWireVersion);
   ValueEncoder encoder(1, nullptr, nullptr);
   for (const auto& arg : args) {
     encoder.encode(arg, envelope.add_values());
   }
   auto tensors = std::move(encoder).finish(&envelope);
-  std::string header = envelope.SerializeAsString();
+  std::string header = torchrpc::rpc::detail::serializeEnvelope(envelope);
   std::vector<at::Tensor> wireTensors;
   for (const auto& t : tensors) {
     wireTensors.push_back(at::empty({int64_t(t.nbytes())}, at::kByte));

@@ -9,6 +9,7 @@
 
 #include "proto/rpc/envelope.pb.h"
 #include "torchrpc/rpc/errors.h"
+#include "torchrpc/rpc/wire/compact_envelope.h"
 #include "torchrpc/rpc/wire/recycled_envelope.h"
 #include "torchrpc/rpc/wire/value_codec.h"
 
@@ -57,7 +58,19 @@ void addUnique(
 
 } // namespace
 
+std::string serializeEnvelope(const wire::Envelope& envelope) {
+  std::string bytes;
+  if (!writeCompactEnvelope(envelope, &bytes)) {
+    envelope.SerializeToString(&bytes);
+  }
+  return bytes;
+}
+
 bool parseEnvelope(const std::string& bytes, wire::Envelope* envelope) {
+  if (isCompactEnvelope(bytes)) {
+    envelope->Clear();
+    return readCompactEnvelope(bytes.data(), bytes.size(), envelope);
+  }
   if (bytes.size() > static_cast<size_t>(std::numeric_limits<int>::max())) {
     return false;
   }
@@ -149,7 +162,7 @@ Message MessageCodec::encodeCancel(
   startEnvelope(*envelope, id, kCancelMessageKind, /*isResponse=*/false);
   envelope->set_timeout_ms(timeout.count());
   Message message;
-  message.header = envelope->SerializeAsString();
+  message.header = serializeEnvelope(*envelope);
   return message;
 }
 
@@ -157,7 +170,7 @@ Message MessageCodec::encodeHeartbeat(bool isResponse) const {
   RecycledEnvelope envelope = takeEnvelope();
   startEnvelope(*envelope, 0, kHeartbeatMessageKind, isResponse);
   Message message;
-  message.header = envelope->SerializeAsString();
+  message.header = serializeEnvelope(*envelope);
   return message;
 }
 
@@ -170,7 +183,7 @@ Message MessageCodec::encodeError(
   startEnvelope(*envelope, id, kind, /*isResponse=*/true);
   errorToStatus(error, what, envelope->mutable_status());
   Message message;
-  message.header = envelope->SerializeAsString();
+  message.header = serializeEnvelope(*envelope);
   return message;
 }
 
@@ -222,7 +235,7 @@ Message MessageCodec::encodeValues(
         "message has " + std::to_string(message.tensors.size()) +
             " tensors, the cap is " + std::to_string(maxTensorsPerMessage_));
   }
-  message.header = envelope.SerializeAsString();
+  message.header = serializeEnvelope(envelope);
   total += message.header.size();
   if (message.header.size() > maxHeaderBytes_ || total > maxMessageBytes_) {
     throw RpcError(

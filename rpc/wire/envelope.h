@@ -40,6 +40,9 @@ class Status;
 // only), metadata written by send hooks under their names, a kind-specific
 // body, the values and the tensor descriptors (proto/rpc/envelope.proto).
 // MessageCodec below is the one place that fills and reads these fields.
+// An envelope of flat values travels in a compact layout of its own, read
+// and written without protobuf's parser and serializer (Note [Compact
+// envelopes] in rpc/wire/compact_envelope.h); the fields are the same.
 //
 // Values are c10::IValues encoded as a `wire::Value` tree
 // (rpc/wire/value_codec.h); a tensor is encoded as an index into the
@@ -70,10 +73,15 @@ std::optional<MessageSummary> summarizeMessage(const Message& message);
 namespace detail {
 
 // Bumped on incompatible changes of the envelope; a receiver refuses other
-// versions.
-constexpr uint32_t kWireVersion = 1;
+// versions. 2: compact envelopes.
+constexpr uint32_t kWireVersion = 2;
 
-// Parses an envelope with a nesting limit that fits kMaxValueDepth (each
+// The bytes of an envelope: compact when it fits Note [Compact envelopes]
+// (rpc/wire/compact_envelope.h), protobuf's encoding otherwise.
+std::string serializeEnvelope(const wire::Envelope& envelope);
+
+// Parses an envelope that serializeEnvelope wrote, either way. A protobuf
+// envelope is parsed with a nesting limit that fits kMaxValueDepth (each
 // value level takes up to four protobuf levels; protobuf's default of 100
 // would refuse values the codec accepts). False if the bytes do not parse.
 bool parseEnvelope(const std::string& bytes, wire::Envelope* envelope);

@@ -128,6 +128,15 @@ void envelopes() {
         at::arange(3, at::kLong),
         at::empty({0, 4}, at::kDouble)}});
   requests.push_back({"sparse", {at::eye(3).to_sparse()}});
+  // Every value kind a compact envelope carries (Note [Compact envelopes]).
+  requests.push_back(
+      {"flat",
+       {c10::IValue(),
+        false,
+        int64_t(1) << 40,
+        -0.5,
+        std::string("bytes"),
+        at::arange(4, at::kInt)}});
   c10::Dict<std::string, at::Tensor> named;
   named.insert("w", at::ones({2, 2}));
   requests.push_back(

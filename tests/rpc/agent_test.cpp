@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <future>
+#include <set>
 #include <thread>
 
 #include "proto/rpc/envelope.pb.h"
@@ -15,6 +16,8 @@
 #include "torchrpc/rpc/request_cancellation.h"
 #include "torchrpc/rpc/request_scope.h"
 #include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
+#include "torchrpc/rpc/wire/compact_envelope.h"
+#include "torchrpc/rpc/wire/envelope.h"
 
 namespace torchrpc {
 namespace {
@@ -53,16 +56,23 @@ class RawPeer {
     connection_->send(std::move(message), [](const rpc::TransportError*) {});
   }
 
-  // The next reply's envelope; fails the test after a timeout.
-  rpc::wire::Envelope nextReply() {
+  // The next reply's header as it arrived; fails the test after a timeout.
+  std::string nextReplyHeader() {
     std::unique_lock<std::mutex> lock(mutex_);
     bool got = cv_.wait_for(lock, 10s, [this]() { return !received_.empty(); });
     EXPECT_TRUE(got) << "no reply";
-    rpc::wire::Envelope envelope;
+    std::string header;
     if (got) {
-      EXPECT_TRUE(envelope.ParseFromString(received_.front().header));
+      header = std::move(received_.front().header);
       received_.pop_front();
     }
+    return header;
+  }
+
+  // The next reply's envelope; fails the test after a timeout.
+  rpc::wire::Envelope nextReply() {
+    rpc::wire::Envelope envelope;
+    EXPECT_TRUE(rpc::detail::parseEnvelope(nextReplyHeader(), &envelope));
     return envelope;
   }
 
@@ -82,7 +92,7 @@ class RawPeer {
 
 rpc::wire::Envelope callEnvelope(uint64_t id, int64_t from, std::string fn) {
   rpc::wire::Envelope envelope;
-  envelope.set_version(1);
+  envelope.set_version(rpc::detail::kWireVersion);
   envelope.set_id(id);
   envelope.set_kind(rpc::kCallMessageKind);
   envelope.set_from_worker(from);
@@ -113,6 +123,47 @@ TEST(AgentInput, GarbageClosesThatConnectionOnlyAndTheWorkerKeepsServing) {
   EXPECT_EQ(reply.status().code(), 0u);
   ASSERT_EQ(reply.values_size(), 1);
   EXPECT_EQ(reply.values(0).int_value(), 42);
+  EXPECT_TRUE(cluster.shutdownAll());
+}
+
+// Note [Compact envelopes] in rpc/wire/compact_envelope.h: a worker reads
+// both encodings, answers a flat reply compactly and an error as protobuf.
+TEST(AgentInput, FlatRepliesTravelCompactlyAndBothEncodingsAreRead) {
+  LocalCluster cluster(rpc::TransportKind::kInProcess, 2, nullptr, registerAdd);
+  RawPeer peer(cluster, 1);
+  auto call = callEnvelope(1, 0, "add");
+  call.add_values()->set_int_value(20);
+  call.add_values()->set_int_value(22);
+  peer.send(call.SerializeAsString());
+  std::string compactCall;
+  call.set_id(2);
+  ASSERT_TRUE(rpc::detail::writeCompactEnvelope(call, &compactCall));
+  peer.send(compactCall);
+  // The two calls run on the pool, so their replies come in either order.
+  std::set<uint64_t> answered;
+  for (int i = 0; i < 2; ++i) {
+    const std::string header = peer.nextReplyHeader();
+    ASSERT_TRUE(rpc::detail::isCompactEnvelope(header));
+    rpc::wire::Envelope reply;
+    ASSERT_TRUE(rpc::detail::parseEnvelope(header, &reply));
+    answered.insert(reply.id());
+    ASSERT_EQ(reply.values_size(), 1);
+    EXPECT_EQ(reply.values(0).int_value(), 42);
+  }
+  EXPECT_EQ(answered, (std::set<uint64_t>{1, 2}));
+  call.set_id(3);
+  call.set_body("no_such_function");
+  ASSERT_TRUE(rpc::detail::writeCompactEnvelope(call, &compactCall));
+  peer.send(compactCall);
+  const std::string header = peer.nextReplyHeader();
+  EXPECT_FALSE(rpc::detail::isCompactEnvelope(header));
+  rpc::wire::Envelope error;
+  ASSERT_TRUE(error.ParseFromString(header));
+  EXPECT_EQ(error.id(), 3u);
+  EXPECT_EQ(
+      error.status().code(),
+      static_cast<uint32_t>(rpc::ErrorCode::kUnknownFunction));
+  EXPECT_EQ(cluster[1].agent().counters().malformedMessages, 0u);
   EXPECT_TRUE(cluster.shutdownAll());
 }
 
@@ -168,7 +219,7 @@ TEST(AgentInput, UnknownSenderAndUnknownKindAreAnsweredNotRun) {
 
 rpc::wire::Envelope cancelEnvelope(uint64_t id, uint64_t timeoutMs) {
   rpc::wire::Envelope envelope;
-  envelope.set_version(1);
+  envelope.set_version(rpc::detail::kWireVersion);
   envelope.set_id(id);
   envelope.set_kind(rpc::kCancelMessageKind);
   envelope.set_from_worker(0);
