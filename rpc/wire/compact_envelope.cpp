@@ -51,9 +51,18 @@ bool isMetadataKey(const std::string& key) {
   return true;
 }
 
+// Kept by protobuf's parser for fields this build does not know; the
+// generated classes of this protobuf reach them through reflection only.
+bool hasUnknownFields(const google::protobuf::Message& message) {
+  return !message.GetReflection()->GetUnknownFields(message).empty();
+}
+
 // The bytes `envelope` takes compactly, or 0 when it does not fit.
 size_t compactSize(const wire::Envelope& envelope) {
-  if (envelope.has_status() || envelope.body().size() > kMaxLength ||
+  // Fields this build does not know (an envelope parsed from a newer peer's
+  // protobuf) have no place in the layout.
+  if (hasUnknownFields(envelope) || envelope.has_status() ||
+      envelope.body().size() > kMaxLength ||
       static_cast<size_t>(envelope.metadata_size()) > kMaxCount ||
       static_cast<size_t>(envelope.tensors_size()) > kMaxCount ||
       static_cast<size_t>(envelope.values_size()) > kMaxCount) {
@@ -67,7 +76,8 @@ size_t compactSize(const wire::Envelope& envelope) {
     size += 1 + entry.first.size() + 4 + entry.second.size();
   }
   for (const auto& tensor : envelope.tensors()) {
-    if (tensor.layout() != wire::TensorDesc::STRIDED ||
+    if (hasUnknownFields(tensor) ||
+        tensor.layout() != wire::TensorDesc::STRIDED ||
         tensor.sparse_dim() != 0 || tensor.nnz() != 0 || tensor.coalesced() ||
         tensor.dtype() > kMaxCount ||
         static_cast<size_t>(tensor.sizes_size()) > kMaxCount) {
@@ -76,8 +86,14 @@ size_t compactSize(const wire::Envelope& envelope) {
     size += kDescriptorBytes + 8 * static_cast<size_t>(tensor.sizes_size());
   }
   for (const auto& value : envelope.values()) {
+    if (hasUnknownFields(value)) {
+      return 0;
+    }
     switch (value.kind_case()) {
       case wire::Value::kNone:
+        if (hasUnknownFields(value.none())) {
+          return 0;
+        }
         size += 1;
         break;
       case wire::Value::kBoolValue:
@@ -205,6 +221,10 @@ class Reader {
     return get(&length) && getBytes(length, out);
   }
 
+  size_t left() const {
+    return left_;
+  }
+
   bool atEnd() const {
     return left_ == 0;
   }
@@ -276,6 +296,11 @@ bool readDescriptor(Reader& in, wire::TensorDesc* tensor) {
   tensor->set_requires_grad(requiresGrad);
   tensor->set_device_type(deviceType);
   tensor->set_device_index(deviceIndex);
+  // Reserved only once the bytes are there: what the reader allocates
+  // stays proportional to what it was sent.
+  if (in.left() < 8 * size_t(dims)) {
+    return false;
+  }
   auto* sizes = tensor->mutable_sizes();
   sizes->Reserve(dims);
   for (uint8_t d = 0; d < dims; ++d) {

@@ -40,19 +40,23 @@ namespace detail {
 //       or u32
 //
 // The header ends exactly after the last value. Anything else (a status, a
-// sparse descriptor, a container or extension value, a field over its width)
-// is sent as protobuf, and a receiver reads both: the marker says which.
+// sparse descriptor, a container or extension value, a field over its width,
+// a field this build does not know) is sent as protobuf, and a receiver reads
+// both: the marker says which. A header is wider this way (fixed widths, 8
+// bytes a dimension); one over the codec's header cap is sent as protobuf
+// before the cap refuses it.
 //
 // Guarantees:
 //  1. Reading a compact envelope yields exactly the envelope that was
-//     written (equal field by field, so protobuf's encoding of both is the
-//     same); a value, descriptor or status that does not fit is never
-//     narrowed: the writer declines it.
+//     written, field by field and bit for bit (a double's sign and NaN
+//     payload included); a value, descriptor or status that does not fit is
+//     never narrowed: the writer declines it.
 //  2. The reader trusts nothing: every length is checked against the bytes
 //     left before it is used, counts are single bytes, unknown flags and
 //     tags, a boolean other than 0 or 1, a repeated or non-printable
-//     metadata key and trailing bytes are refused. What it fills is bounded
-//     by the header's own size, which the codec caps before reading.
+//     metadata key and trailing bytes are refused. What it allocates is
+//     proportional to the header's own size, which the codec caps before
+//     reading.
 //  3. What the envelope means is checked where it always was: the codec's
 //     version check and its value decoder see the same envelope either way.
 

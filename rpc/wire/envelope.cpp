@@ -236,6 +236,12 @@ Message MessageCodec::encodeValues(
             " tensors, the cap is " + std::to_string(maxTensorsPerMessage_));
   }
   message.header = serializeEnvelope(envelope);
+  if (message.header.size() > maxHeaderBytes_ &&
+      isCompactEnvelope(message.header)) {
+    // Compact fields are wider than protobuf's varints (Note [Compact
+    // envelopes]); at the cap, the narrower encoding decides.
+    message.header = envelope.SerializeAsString();
+  }
   total += message.header.size();
   if (message.header.size() > maxHeaderBytes_ || total > maxMessageBytes_) {
     throw RpcError(

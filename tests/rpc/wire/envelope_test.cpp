@@ -463,6 +463,35 @@ TEST(EnvelopeCaps, TooLargeHeaderIsRefusedNamingTheCap) {
       ErrorCode::kTooLarge);
 }
 
+// Note [Compact envelopes]: the compact layout spends 8 bytes a dimension
+// where protobuf spends one; a header that fits the cap only as protobuf
+// goes as protobuf rather than being refused.
+TEST(EnvelopeCaps, AHeaderOverTheCapOnlyCompactlyGoesAsProtobuf) {
+  Options options;
+  options.maxHeaderBytes = 150;
+  MessageCodec sender(kCaller, options);
+  MessageCodec receiver(kCallee, options);
+  auto x = at::arange(3, at::kFloat)
+               .reshape({1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 3});
+  auto outgoing = request({x});
+  outgoing.body = "f";
+  auto sent = sender.encodeRequest(kCallee, 1, outgoing, nullptr);
+  EXPECT_FALSE(isCompactEnvelope(sent.header));
+  EXPECT_LE(sent.header.size(), 150u);
+  auto received = deliver(receiver, sent);
+  auto decoded = receiver.decodeRequest(
+      kCaller,
+      received.envelope,
+      std::move(received.tensors));
+  ASSERT_EQ(decoded.request.values.size(), 1u);
+  EXPECT_TRUE(decoded.request.values[0].toTensor().equal(x));
+  // Without the dimensions, the same call fits compactly.
+  outgoing = request({at::arange(3, at::kFloat)});
+  outgoing.body = "f";
+  EXPECT_TRUE(isCompactEnvelope(
+      sender.encodeRequest(kCallee, 2, outgoing, nullptr).header));
+}
+
 TEST(EnvelopeCaps, ReceivedHeaderOverTheCapIsMalformed) {
   Options options;
   options.maxHeaderBytes = 100;
