@@ -91,6 +91,7 @@ double callRtt(Runtime& rt, bool quick) {
     rt.rpcSync<at::Tensor>("worker1", "add_one", x);
     times.push_back(microsSince(start));
   }
+  printDistribution("call_rtt_1elem", times);
   return median(times);
 }
 
