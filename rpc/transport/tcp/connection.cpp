@@ -468,6 +468,7 @@ void TcpConnectionImpl::enqueue(OutFrame frame, bool isData) {
   }
   if (post) {
     postFlush();
+    context_->polling.noteHeldSend();
     return;
   }
   if (mustWait) {

@@ -21,10 +21,17 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+constexpr int64_t nanos(std::chrono::nanoseconds d) {
+  return d.count();
+}
+
 // Note [Waiting callers drive the transport]: how long after the last
-// drive the io thread keeps standing by, and how often it checks.
+// drive the io thread keeps standing by, and how often it checks: every
+// kStandByWait at first, then twice as long after each check that finds
+// the drivers still at it, up to kStandByWaitMax.
 constexpr std::chrono::microseconds kDriverLinger{200};
 constexpr std::chrono::microseconds kStandByWait{200};
+constexpr std::chrono::microseconds kStandByWaitMax{1000};
 
 // Note [Sends held for one write]: traffic counts as dense, and a
 // request may wait for the loop's next turn, while this process awaits at
@@ -61,7 +68,8 @@ IoPolling::IoPolling(
     std::chrono::microseconds whileAwaiting)
     : io_(io),
       afterTraffic_(afterTraffic),
-      whileAwaiting_(whileAwaiting) {}
+      whileAwaiting_(whileAwaiting),
+      standByPeriodNs_(nanos(kStandByWait)) {}
 
 void IoPolling::noteTraffic() {
   if (enabled()) {
@@ -129,6 +137,12 @@ void IoPolling::run() {
       standByForDrivers();
       continue;
     }
+    // The loop is this thread's again: the next stretch of drives starts
+    // with short checks.
+    if (standByPeriodNs_.load(std::memory_order_relaxed) !=
+        nanos(kStandByWait)) {
+      standByPeriodNs_.store(nanos(kStandByWait), std::memory_order_relaxed);
+    }
     if (io_.poll() > 0) {
       continue;
     }
@@ -167,7 +181,9 @@ bool IoPolling::standByForDrivers() {
   standBys_.fetch_add(1, std::memory_order_relaxed);
   // With no driver left, only until the linger ends; while a driver sleeps
   // in the loop, until it is done (endDriving() wakes us).
-  std::chrono::nanoseconds wait = kStandByWait;
+  const std::chrono::nanoseconds period(
+      standByPeriodNs_.load(std::memory_order_relaxed));
+  std::chrono::nanoseconds wait = period;
   if (sleepingDrives_.load() > 0) {
     wait = kBlockingSlice;
   } else if (drivers_.load() == 0) {
@@ -179,9 +195,32 @@ bool IoPolling::standByForDrivers() {
                 lastDriveEnd_.load(std::memory_order_relaxed)));
   }
   std::unique_lock<std::mutex> lock(standByMutex_);
-  return standByCv_.wait_for(lock, wait, [this]() {
-    return !driversActive() || closedToDrivers_.load();
+  const bool over = standByCv_.wait_for(lock, wait, [this, period]() {
+    return !driversActive() || closedToDrivers_.load() ||
+        standByPeriodNs_.load(std::memory_order_relaxed) < nanos(period);
   });
+  if (!over && !holdsSends()) {
+    // Still driven after a whole check: a stretch of waits, such as a loop
+    // of calls. Each check wakes this thread, on a machine with few CPUs
+    // often on the CPU that the waiter spins on (Note [Waiting callers
+    // drive the transport]), so check less often. Not while sends are
+    // held: they wait for the loop's next turn.
+    standByPeriodNs_.store(
+        std::min(nanos(period) * 2, nanos(kStandByWaitMax)),
+        std::memory_order_relaxed);
+  }
+  return over;
+}
+
+void IoPolling::noteHeldSend() {
+  // Note [Sends held for one write]: the held frame's flush waits for the
+  // loop's next turn, which must come within kStandByWait even after a
+  // stretch of drives thinned the io thread's checks.
+  if (standByPeriodNs_.load(std::memory_order_relaxed) != nanos(kStandByWait)) {
+    standByPeriodNs_.store(nanos(kStandByWait), std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lock(standByMutex_);
+    standByCv_.notify_all();
+  }
 }
 
 void IoPolling::beginDriving() {

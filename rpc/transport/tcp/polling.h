@@ -79,6 +79,10 @@ class IoPolling {
   // microseconds to kDriverLinger, and this process awaits at least
   // kHoldMinAwaited replies.
   bool holdsSends() const;
+  // A frame was held and its flush posted to the loop (any thread): the
+  // io thread's checks while waiters drive go back to their shortest
+  // period, so that the loop's next turn comes as soon as before.
+  void noteHeldSend();
 
   // Runs io's handlers, polling per the policy, until io stops or runs out
   // of work. Exceptions from handlers propagate (the polling slot is given
@@ -112,10 +116,18 @@ class IoPolling {
   uint64_t standBys() const {
     return standBys_.load(std::memory_order_relaxed);
   }
+  // How long the io thread's next stand-by lasts at most while a waiter
+  // drives (for tests; Note [Waiting callers drive the transport]).
+  std::chrono::nanoseconds standByPeriod() const {
+    return std::chrono::nanoseconds(
+        standByPeriodNs_.load(std::memory_order_relaxed));
+  }
 
  private:
   // While a waiter drives, or drove within kDriverLinger: waits on
-  // standByCv_ for at most kStandByWait and returns true.
+  // standByCv_ for at most the stand-by period; true if the drivers were
+  // done by then (or the period was shortened), else the period grows
+  // unless sends are held.
   bool standByForDrivers();
   bool driversActive() const;
   // io.run_one(), counted in sleepingIoThreads_ meanwhile.
@@ -148,10 +160,15 @@ class IoPolling {
   // that wakeBlockedDriver()'s empty handler reaches it.
   std::atomic<bool> blockedDriver_{false};
   // Drives (begun, not ended) whose thread slept in the loop: the io thread
-  // then stands by without checking every kStandByWait, and is woken when
+  // then stands by without checking every stand-by period, and is woken when
   // such a drive ends.
   std::atomic<int> sleepingDrives_{0};
   std::atomic<uint64_t> standBys_{0};
+  // The io threads' stand-by period while drivers are active, in ns:
+  // kStandByWait, doubled per check that finds them still active, up to
+  // kStandByWaitMax; back to kStandByWait when an io thread takes the
+  // loop again.
+  std::atomic<int64_t> standByPeriodNs_;
   std::mutex standByMutex_;
   std::condition_variable standByCv_;
 };

@@ -5,6 +5,7 @@
 // while replies are due.
 
 #include <ATen/ATen.h>
+#include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
 #include <gtest/gtest.h>
 
@@ -22,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/support/eventually.h"
 #include "tests/support/no_contention_backoff.h"
 #include "tests/support/tcp_peers.h"
 #include "tests/support/transport_harness.h"
@@ -81,6 +83,76 @@ TEST(TcpIoPolling, NoPollingWhileASenderCopiesALargeTensorIn) {
   } catch (const std::runtime_error&) {
   }
   EXPECT_TRUE(polling.keepPolling());
+}
+
+// Note [Waiting callers drive the transport]: while waiters drive, the io
+// thread stands by and checks whether they are done, less and less often
+// during a stretch of drives (each check wakes it, on a small machine on
+// the CPU the waiter spins on); once it has the loop again, the next
+// stretch starts with short checks.
+TEST(TcpIoPolling, StandByChecksThinOutWhileWaitersDriveAndResetAfter) {
+  torchrpc::testing::NoContentionBackoff noBackoff;
+  boost::asio::io_context io;
+  auto work = boost::asio::make_work_guard(io);
+  detail::tcp::IoPolling polling(io, std::chrono::seconds(1), 0us);
+  auto awaited = std::make_shared<std::atomic<int64_t>>(0);
+  polling.watchAwaitedReplies(awaited);
+  EXPECT_EQ(polling.standByPeriod(), 200us);
+  std::thread ioThread([&]() { polling.run(); });
+  struct StopAndJoin {
+    boost::asio::io_context& io;
+    std::thread& thread;
+    ~StopAndJoin() {
+      io.stop();
+      thread.join();
+    }
+  } stopAndJoin{io, ioThread};
+  for (int stretch = 0; stretch < 2; ++stretch) {
+    polling.beginDriving();
+    // 200, 400, 800, then 1000 µs: the period stops growing there. A
+    // caller sends before it waits, which wakes an io thread asleep in the
+    // loop; sent again in case the first came before it slept.
+    ASSERT_TRUE(torchrpc::testing::eventually(
+        [&]() {
+          polling.noteSend();
+          return polling.standByPeriod() == 1000us;
+        },
+        10s))
+        << "stretch " << stretch << ": period "
+        << polling.standByPeriod().count() << " ns";
+    const uint64_t before = polling.standBys();
+    std::this_thread::sleep_for(100ms);
+    const uint64_t checks = polling.standBys() - before;
+    // At most one check a millisecond (every 200 µs would be 500).
+    EXPECT_LE(checks, 110u) << "stretch " << stretch;
+    EXPECT_EQ(polling.standByPeriod(), 1000us);
+    // The drive ends without telling the io thread (a loop of calls ends
+    // so): it notices within the period and the linger, takes the loop,
+    // and the period is back to its start.
+    polling.endDriving(/*answered=*/true);
+    ASSERT_TRUE(torchrpc::testing::eventually(
+        [&]() { return polling.standByPeriod() == 200us; },
+        10s))
+        << "stretch " << stretch;
+  }
+  // Note [Sends held for one write]: a held frame waits for the loop's
+  // next turn, so holding one brings the checks back to 200 µs at once,
+  // and they stay there while sends are held (8 replies due).
+  polling.beginDriving();
+  ASSERT_TRUE(torchrpc::testing::eventually(
+      [&]() {
+        polling.noteSend();
+        return polling.standByPeriod() == 1000us;
+      },
+      10s));
+  awaited->store(8);
+  ASSERT_TRUE(polling.holdsSends());
+  polling.noteHeldSend();
+  EXPECT_EQ(polling.standByPeriod(), 200us);
+  std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(polling.standByPeriod(), 200us);
+  polling.endDriving(/*answered=*/true);
+  awaited->store(0);
 }
 
 // ---- Polling after traffic (Note [Polling after traffic]) ----
