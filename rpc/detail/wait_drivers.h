@@ -25,17 +25,20 @@ namespace detail {
 // on a condition variable, not in epoll (where it would hold the reactor
 // that the waiter needs), and wakes:
 //   - at once when a waiter gives up driving before its answer came (it is
-//     about to sleep on its future: someone must read the answer);
+//     about to sleep on its future: someone must read the answer); while
+//     other waiters still drive, it then checks every 0.2 ms again (below);
 //   - when no thread drove for kDriverLinger, 0.2 ms (the next call of a
 //     synchronous loop usually comes sooner, so a loop of calls does not
-//     wake it each time). It checks for that every 0.2 ms at first, then
-//     half as often after each check that finds waiters still driving,
-//     down to once a millisecond: each check wakes it, and on a machine
-//     with few CPUs it often runs on the CPU that a waiter spins on (a
-//     loop of round trips took 47-48 µs at the median with a check every
-//     0.2 ms, 39-42 with these; bench/RESULTS.md). Once it has the loop
-//     again, or when a send is held for the loop's next turn (Note [Sends
-//     held for one write] in tcp/connection.h), it checks every 0.2 ms.
+//     wake it each time). It checks for that every 0.2 ms, and during a
+//     stretch of waits (a check during which one ended and another went
+//     on: a loop of calls, not one long wait) half as often after each
+//     check, down to once a millisecond: each check wakes it, and on a
+//     machine with few CPUs it often runs on the CPU that a waiter spins
+//     on (a loop of round trips took 47-48 µs at the median with a check
+//     every 0.2 ms, 39-42 with these; bench/RESULTS.md). Once it has the
+//     loop again, or when a send is held for the loop's next turn (Note
+//     [Sends held for one write] in tcp/connection.h), it checks every
+//     0.2 ms again.
 // So at any time either a waiter or the io thread runs the loop, or the io
 // thread will within kDriverLinger after a lone wait and within 1 ms after
 // a stretch of waits: messages nobody waits for (a peer's requests,
@@ -50,11 +53,11 @@ namespace detail {
 // A future completed some other way (another thread, a timeout, a local
 // result) wakes it through a callback that posts an empty handler to the
 // loop; each sleep is bounded by kBlockingSlice anyway. While it sleeps
-// there, it is the loop's thread (the io thread stands by as for any
-// driver); other waiters sleep on their futures, as the io thread's
-// readers would wake them. join() wakes it as it closes the loop to
-// drivers. Only when a wait drives exactly one loop: no thread can sleep
-// in two.
+// there, it is the loop's thread (the io thread stands by, without
+// checks, and is woken when that wait ends, answered or not); other
+// waiters sleep on their futures, as the io thread's readers would wake
+// them. join() wakes it as it closes the loop to drivers. Only when a
+// wait drives exactly one loop: no thread can sleep in two.
 //
 // What a waiter runs is what the io thread would: reads, the handlers of
 // cheap functions (Note [Where messages are handled]) and future

@@ -141,6 +141,7 @@ void IoPolling::run() {
     // with short checks.
     if (standByPeriodNs_.load(std::memory_order_relaxed) !=
         nanos(kStandByWait)) {
+      std::lock_guard<std::mutex> lock(standByMutex_);
       standByPeriodNs_.store(nanos(kStandByWait), std::memory_order_relaxed);
     }
     if (io_.poll() > 0) {
@@ -179,10 +180,15 @@ bool IoPolling::driversActive() const {
 
 bool IoPolling::standByForDrivers() {
   standBys_.fetch_add(1, std::memory_order_relaxed);
-  // With no driver left, only until the linger ends; while a driver sleeps
-  // in the loop, until it is done (endDriving() wakes us).
   const std::chrono::nanoseconds period(
       standByPeriodNs_.load(std::memory_order_relaxed));
+  const uint64_t endsBefore = driveEnds_.load(std::memory_order_relaxed);
+  // The wait is chosen under the lock that wakeStandBy() bumps the
+  // generation under: a drive that ends before this lock is seen here
+  // (sleepingDrives_ already lowered), one that ends after wakes the wait.
+  std::unique_lock<std::mutex> lock(standByMutex_);
+  // With no driver left, only until the linger ends; while a driver sleeps
+  // in the loop, until it is done (endDriving() wakes us).
   std::chrono::nanoseconds wait = period;
   if (sleepingDrives_.load() > 0) {
     wait = kBlockingSlice;
@@ -194,17 +200,20 @@ bool IoPolling::standByForDrivers() {
                 Clock::now().time_since_epoch().count() -
                 lastDriveEnd_.load(std::memory_order_relaxed)));
   }
-  std::unique_lock<std::mutex> lock(standByMutex_);
-  const bool over = standByCv_.wait_for(lock, wait, [this, period]() {
+  const uint64_t generation = standByGeneration_;
+  const bool over = standByCv_.wait_for(lock, wait, [&]() {
     return !driversActive() || closedToDrivers_.load() ||
-        standByPeriodNs_.load(std::memory_order_relaxed) < nanos(period);
+        standByGeneration_ != generation;
   });
-  if (!over && !holdsSends()) {
-    // Still driven after a whole check: a stretch of waits, such as a loop
-    // of calls. Each check wakes this thread, on a machine with few CPUs
-    // often on the CPU that the waiter spins on (Note [Waiting callers
-    // drive the transport]), so check less often. Not while sends are
-    // held: they wait for the loop's next turn.
+  if (!over && driveEnds_.load(std::memory_order_relaxed) != endsBefore &&
+      !holdsSends()) {
+    // Still driven after a whole check, by a drive that began during it:
+    // a stretch of waits, such as a loop of calls (one long wait does not
+    // count). Each check wakes this thread, on a machine with few CPUs
+    // often on the CPU that a waiter spins on (Note [Waiting callers drive
+    // the transport]), so check less often. Not while sends are held: they
+    // wait for the loop's next turn. Under the lock, so that
+    // shortenStandBy() is not undone.
     standByPeriodNs_.store(
         std::min(nanos(period) * 2, nanos(kStandByWaitMax)),
         std::memory_order_relaxed);
@@ -212,14 +221,25 @@ bool IoPolling::standByForDrivers() {
   return over;
 }
 
+void IoPolling::wakeStandBy() {
+  std::lock_guard<std::mutex> lock(standByMutex_);
+  ++standByGeneration_;
+  standByCv_.notify_all();
+}
+
+void IoPolling::shortenStandBy() {
+  std::lock_guard<std::mutex> lock(standByMutex_);
+  standByPeriodNs_.store(nanos(kStandByWait), std::memory_order_relaxed);
+  ++standByGeneration_;
+  standByCv_.notify_all();
+}
+
 void IoPolling::noteHeldSend() {
   // Note [Sends held for one write]: the held frame's flush waits for the
   // loop's next turn, which must come within kStandByWait even after a
   // stretch of drives thinned the io thread's checks.
   if (standByPeriodNs_.load(std::memory_order_relaxed) != nanos(kStandByWait)) {
-    standByPeriodNs_.store(nanos(kStandByWait), std::memory_order_relaxed);
-    std::lock_guard<std::mutex> lock(standByMutex_);
-    standByCv_.notify_all();
+    shortenStandBy();
   }
 }
 
@@ -306,25 +326,27 @@ void IoPolling::endDriving(bool answered) {
   lastDriveEnd_.store(
       Clock::now().time_since_epoch().count(),
       std::memory_order_relaxed);
-  if (tlsSleptIn == this) {
-    // The io thread stood by with a long timeout meanwhile: tell it.
+  driveEnds_.fetch_add(1, std::memory_order_relaxed);
+  const bool slept = tlsSleptIn == this;
+  if (slept) {
     tlsSleptIn = nullptr;
     sleepingDrives_.fetch_sub(1);
-    if (drivers_.fetch_sub(1) == 1) {
-      if (!answered) {
-        lastDriveEnd_.store(0, std::memory_order_relaxed);
-      }
-      std::lock_guard<std::mutex> lock(standByMutex_);
-      standByCv_.notify_all();
-    }
-    return;
   }
-  if (drivers_.fetch_sub(1) == 1 && !answered) {
+  const bool last = drivers_.fetch_sub(1) == 1;
+  if (!answered) {
     // The waiter will sleep on its future: the io thread must read the
-    // answer, now rather than at its next check.
-    lastDriveEnd_.store(0, std::memory_order_relaxed);
-    std::lock_guard<std::mutex> lock(standByMutex_);
-    standByCv_.notify_all();
+    // answer unless a driver does. With no driver left, now rather than at
+    // its next check; with others, it checks often again, since they may
+    // end answered without telling it.
+    if (last) {
+      lastDriveEnd_.store(0, std::memory_order_relaxed);
+    }
+    shortenStandBy();
+  } else if (slept) {
+    // The io thread stood by with the long timeout of a driver asleep in
+    // the loop: it must check on the others, or after the linger take the
+    // loop, as after any drive.
+    wakeStandBy();
   }
 }
 

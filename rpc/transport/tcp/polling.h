@@ -126,9 +126,14 @@ class IoPolling {
  private:
   // While a waiter drives, or drove within kDriverLinger: waits on
   // standByCv_ for at most the stand-by period; true if the drivers were
-  // done by then (or the period was shortened), else the period grows
-  // unless sends are held.
+  // done by then or it was woken (wakeStandBy(), shortenStandBy()); else
+  // the period grows if a drive ended meanwhile and no sends are held.
   bool standByForDrivers();
+  // Makes the io thread's stand-by check again now (any thread).
+  void wakeStandBy();
+  // Sets the stand-by period back to its shortest and wakes the io thread
+  // to wait with it (any thread).
+  void shortenStandBy();
   bool driversActive() const;
   // io.run_one(), counted in sleepingIoThreads_ meanwhile.
   size_t sleepUntilWork();
@@ -165,11 +170,16 @@ class IoPolling {
   std::atomic<int> sleepingDrives_{0};
   std::atomic<uint64_t> standBys_{0};
   // The io threads' stand-by period while drivers are active, in ns:
-  // kStandByWait, doubled per check that finds them still active, up to
-  // kStandByWaitMax; back to kStandByWait when an io thread takes the
-  // loop again.
+  // kStandByWait, doubled per check during which a drive ended and drivers
+  // were still active at its end, up to kStandByWaitMax; back to
+  // kStandByWait when an io thread takes the loop again, a send is held or
+  // a drive ends unanswered. Stored under standByMutex_.
   std::atomic<int64_t> standByPeriodNs_;
+  // Drives ended so far (a check during which one ended saw a stretch).
+  std::atomic<uint64_t> driveEnds_{0};
   std::mutex standByMutex_;
+  // Bumped under standByMutex_ to make a standing-by io thread check now.
+  uint64_t standByGeneration_ = 0;
   std::condition_variable standByCv_;
 };
 

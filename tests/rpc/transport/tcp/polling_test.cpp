@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
+#include <boost/asio/post.hpp>
 #include <gtest/gtest.h>
 
 #include <sys/syscall.h>
@@ -86,73 +87,189 @@ TEST(TcpIoPolling, NoPollingWhileASenderCopiesALargeTensorIn) {
 }
 
 // Note [Waiting callers drive the transport]: while waiters drive, the io
-// thread stands by and checks whether they are done, less and less often
-// during a stretch of drives (each check wakes it, on a small machine on
-// the CPU the waiter spins on); once it has the loop again, the next
-// stretch starts with short checks.
-TEST(TcpIoPolling, StandByChecksThinOutWhileWaitersDriveAndResetAfter) {
-  torchrpc::testing::NoContentionBackoff noBackoff;
-  boost::asio::io_context io;
-  auto work = boost::asio::make_work_guard(io);
-  detail::tcp::IoPolling polling(io, std::chrono::seconds(1), 0us);
-  auto awaited = std::make_shared<std::atomic<int64_t>>(0);
-  polling.watchAwaitedReplies(awaited);
-  EXPECT_EQ(polling.standByPeriod(), 200us);
-  std::thread ioThread([&]() { polling.run(); });
-  struct StopAndJoin {
-    boost::asio::io_context& io;
-    std::thread& thread;
-    ~StopAndJoin() {
-      io.stop();
-      thread.join();
+// thread stands by and checks whether they are done; during a stretch of
+// waits (a loop of calls) less and less often, since each check wakes it,
+// on a small machine on the CPU a waiter spins on.
+
+// The policy with an io thread of its own, as a transport runs it.
+class TcpStandBy : public ::testing::Test {
+ protected:
+  TcpStandBy() : polling_(io_, std::chrono::seconds(1), 0us) {
+    polling_.watchAwaitedReplies(awaited_);
+    ioThread_ = std::thread([this]() { polling_.run(); });
+  }
+  ~TcpStandBy() override {
+    stopLoop();
+    work_.reset();
+    io_.stop();
+    ioThread_.join();
+  }
+
+  // A loop of calls on another thread: drives for 100 µs, ends, drives
+  // again at once.
+  void startLoop() {
+    looping_ = true;
+    loop_ = std::thread([this]() {
+      while (looping_.load()) {
+        polling_.beginDriving();
+        const auto until = Clock::now() + 100us;
+        while (Clock::now() < until) {
+        }
+        polling_.endDriving(/*answered=*/true);
+      }
+    });
+  }
+  void stopLoop() {
+    looping_ = false;
+    if (loop_.joinable()) {
+      loop_.join();
     }
-  } stopAndJoin{io, ioThread};
-  for (int stretch = 0; stretch < 2; ++stretch) {
-    polling.beginDriving();
-    // 200, 400, 800, then 1000 µs: the period stops growing there. A
-    // caller sends before it waits, which wakes an io thread asleep in the
-    // loop; sent again in case the first came before it slept.
-    ASSERT_TRUE(torchrpc::testing::eventually(
+  }
+  // Waits until the period is `period`; a caller sends before it waits,
+  // which wakes an io thread asleep in the loop (sent again in case the
+  // first came before it slept).
+  bool periodBecomes(std::chrono::nanoseconds period) {
+    return torchrpc::testing::eventually(
         [&]() {
-          polling.noteSend();
-          return polling.standByPeriod() == 1000us;
+          polling_.noteSend();
+          return polling_.standByPeriod() == period;
         },
-        10s))
+        10s);
+  }
+
+  torchrpc::testing::NoContentionBackoff noBackoff_;
+  boost::asio::io_context io_;
+  boost::asio::executor_work_guard<boost::asio::io_context::executor_type>
+      work_ = boost::asio::make_work_guard(io_);
+  std::shared_ptr<std::atomic<int64_t>> awaited_ =
+      std::make_shared<std::atomic<int64_t>>(0);
+  detail::tcp::IoPolling polling_;
+  std::thread ioThread_;
+  std::atomic<bool> looping_{false};
+  std::thread loop_;
+};
+
+TEST_F(TcpStandBy, ChecksThinOutDuringALoopOfCallsAndResetAfter) {
+  EXPECT_EQ(polling_.standByPeriod(), 200us);
+  for (int stretch = 0; stretch < 2; ++stretch) {
+    startLoop();
+    // 200, 400, 800, then 1000 µs: the period stops growing there.
+    ASSERT_TRUE(periodBecomes(1000us))
         << "stretch " << stretch << ": period "
-        << polling.standByPeriod().count() << " ns";
-    const uint64_t before = polling.standBys();
+        << polling_.standByPeriod().count() << " ns";
+    const uint64_t before = polling_.standBys();
+    const auto start = Clock::now();
     std::this_thread::sleep_for(100ms);
-    const uint64_t checks = polling.standBys() - before;
-    // At most one check a millisecond (every 200 µs would be 500).
-    EXPECT_LE(checks, 110u) << "stretch " << stretch;
-    EXPECT_EQ(polling.standByPeriod(), 1000us);
-    // The drive ends without telling the io thread (a loop of calls ends
-    // so): it notices within the period and the linger, takes the loop,
-    // and the period is back to its start.
-    polling.endDriving(/*answered=*/true);
+    const uint64_t checks = polling_.standBys() - before;
+    const auto elapsedMs =
+        std::chrono::duration_cast<std::chrono::milliseconds>(
+            Clock::now() - start)
+            .count();
+    // At most one check a millisecond (every 200 µs would be 5).
+    EXPECT_LE(checks, static_cast<uint64_t>(elapsedMs + 10))
+        << "stretch " << stretch << ", " << elapsedMs << " ms";
+    EXPECT_EQ(polling_.standByPeriod(), 1000us);
+    // The loop ends without telling the io thread: it notices within the
+    // period and the linger, takes the loop, and the period is back to
+    // its start.
+    stopLoop();
     ASSERT_TRUE(torchrpc::testing::eventually(
-        [&]() { return polling.standByPeriod() == 200us; },
+        [&]() { return polling_.standByPeriod() == 200us; },
         10s))
         << "stretch " << stretch;
   }
-  // Note [Sends held for one write]: a held frame waits for the loop's
-  // next turn, so holding one brings the checks back to 200 µs at once,
-  // and they stay there while sends are held (8 replies due).
-  polling.beginDriving();
+}
+
+TEST_F(TcpStandBy, OneLongWaitKeepsTheShortChecks) {
+  polling_.beginDriving();
+  const uint64_t before = polling_.standBys();
   ASSERT_TRUE(torchrpc::testing::eventually(
       [&]() {
-        polling.noteSend();
-        return polling.standByPeriod() == 1000us;
+        polling_.noteSend();
+        return polling_.standBys() >= before + 5;
       },
       10s));
-  awaited->store(8);
-  ASSERT_TRUE(polling.holdsSends());
-  polling.noteHeldSend();
-  EXPECT_EQ(polling.standByPeriod(), 200us);
+  // No drive ended meanwhile: a message nobody waits for is read within
+  // 0.2 ms of this wait's end, however long it was.
   std::this_thread::sleep_for(20ms);
-  EXPECT_EQ(polling.standByPeriod(), 200us);
-  polling.endDriving(/*answered=*/true);
-  awaited->store(0);
+  EXPECT_EQ(polling_.standByPeriod(), 200us);
+  polling_.endDriving(/*answered=*/true);
+}
+
+TEST_F(TcpStandBy, AHeldSendBringsTheShortChecksBackAndKeepsThem) {
+  startLoop();
+  ASSERT_TRUE(periodBecomes(1000us));
+  // Note [Sends held for one write]: a held frame waits for the loop's
+  // next turn, so the checks go back to 200 µs at once and stay there
+  // while sends are held (8 replies due).
+  awaited_->store(8);
+  ASSERT_TRUE(polling_.holdsSends());
+  polling_.noteHeldSend();
+  EXPECT_EQ(polling_.standByPeriod(), 200us);
+  std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(polling_.standByPeriod(), 200us);
+  stopLoop();
+  awaited_->store(0);
+}
+
+TEST_F(TcpStandBy, AWaiterThatGivesUpBringsTheShortChecksBack) {
+  startLoop();
+  ASSERT_TRUE(periodBecomes(1000us));
+  // This waiter gives up driving and will sleep on its future while the
+  // loop's waiter still drives: whoever reads its answer next must come
+  // as soon as before, whether the other waiter reads it or ends first.
+  polling_.beginDriving();
+  polling_.endDriving(/*answered=*/false);
+  EXPECT_EQ(polling_.standByPeriod(), 200us);
+  stopLoop();
+}
+
+TEST_F(TcpStandBy, AfterAWaiterAsleepInTheLoopTheIoThreadTakesItSoon) {
+  // A waiter sleeps in the loop (the io thread then stands by with a 50 ms
+  // timeout) until its answer comes, then ends its drive answered.
+  std::atomic<bool> registered{false};
+  std::atomic<bool> answered{false};
+  std::atomic<bool> sleptForIt{false};
+  std::thread sleeper([&]() {
+    polling_.beginDriving();
+    const auto deadline = Clock::now() + 10s;
+    while (!answered.load() && Clock::now() < deadline) {
+      // Refused while the io thread is asleep in the loop: again.
+      if (polling_.driveBlocking(1s, [&]() {
+            registered = true;
+            return answered.load();
+          })) {
+        sleptForIt = sleptForIt.load() || registered.load();
+      } else {
+        std::this_thread::sleep_for(1ms);
+      }
+    }
+    polling_.endDriving(/*answered=*/true);
+  });
+  ASSERT_TRUE(torchrpc::testing::eventually(
+      [&]() {
+        polling_.noteSend();
+        return registered.load();
+      },
+      10s));
+  std::this_thread::sleep_for(5ms);
+  answered = true;
+  boost::asio::post(io_, []() {}); // the answer wakes the sleeper
+  sleeper.join();
+  EXPECT_TRUE(sleptForIt.load());
+  // A message nobody waits for, right after: read once the linger ends,
+  // not when the io thread's 50 ms timeout would have.
+  const auto posted = Clock::now();
+  std::atomic<int64_t> readAfterUs{-1};
+  boost::asio::post(io_, [&]() {
+    readAfterUs = std::chrono::duration_cast<std::chrono::microseconds>(
+                      Clock::now() - posted)
+                      .count();
+  });
+  ASSERT_TRUE(torchrpc::testing::eventually(
+      [&]() { return readAfterUs.load() >= 0; },
+      10s));
+  EXPECT_LT(readAfterUs.load(), 20000);
 }
 
 // ---- Polling after traffic (Note [Polling after traffic]) ----
