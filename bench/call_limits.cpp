@@ -245,6 +245,20 @@ std::pair<int, int> connectedPair(bool tcp) {
   return {client, server};
 }
 
+// Closes the client's socket, which ends the server, and reaps it; false
+// (having said so) if the server failed.
+bool endServer(int clientFd, pid_t child) {
+  ::close(clientFd);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  serverPid = 0;
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    std::cerr << "call_limits: the server failed\n";
+    return false;
+  }
+  return true;
+}
+
 [[noreturn]] void usage() {
   std::cerr << "usage: call_limits --workload "
                "calls_per_s_64_outstanding|call_rtt_1elem [--socket unix|tcp] "
@@ -316,11 +330,7 @@ int main(int argc, char** argv) {
   if (pipelinedWorkload) {
     pipelined(clientFd, warmUp);
     const double seconds = pipelined(clientFd, calls);
-    ::close(clientFd);
-    int status = 0;
-    ::waitpid(child, &status, 0);
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-      std::cerr << "call_limits: the server failed\n";
+    if (!endServer(clientFd, child)) {
       return 1;
     }
     std::printf(
@@ -333,11 +343,7 @@ int main(int argc, char** argv) {
   }
   roundTrips(clientFd, warmUp);
   std::vector<double> micros = roundTrips(clientFd, calls);
-  ::close(clientFd);
-  int status = 0;
-  ::waitpid(child, &status, 0);
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    std::cerr << "call_limits: the server failed\n";
+  if (!endServer(clientFd, child)) {
     return 1;
   }
   torchrpc::bench::printDistribution("call_limits: round trip", micros);
