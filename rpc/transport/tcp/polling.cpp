@@ -21,14 +21,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr int64_t nanos(std::chrono::nanoseconds d) {
-  return d.count();
-}
-
 // Note [Waiting callers drive the transport]: how long after the last
 // drive the io thread keeps standing by, and how often it checks: every
-// kStandByWait at first, then twice as long after each check that finds
-// the drivers still at it, up to kStandByWaitMax.
+// kStandByWait, and twice as long after each check during which a drive
+// ended and others went on, up to kStandByWaitMax.
 constexpr std::chrono::microseconds kDriverLinger{200};
 constexpr std::chrono::microseconds kStandByWait{200};
 constexpr std::chrono::microseconds kStandByWaitMax{1000};
@@ -69,7 +65,7 @@ IoPolling::IoPolling(
     : io_(io),
       afterTraffic_(afterTraffic),
       whileAwaiting_(whileAwaiting),
-      standByPeriodNs_(nanos(kStandByWait)) {}
+      standByPeriod_(kStandByWait) {}
 
 void IoPolling::noteTraffic() {
   if (enabled()) {
@@ -139,10 +135,9 @@ void IoPolling::run() {
     }
     // The loop is this thread's again: the next stretch of drives starts
     // with short checks.
-    if (standByPeriodNs_.load(std::memory_order_relaxed) !=
-        nanos(kStandByWait)) {
+    if (standByPeriod_.load(std::memory_order_relaxed) != kStandByWait) {
       std::lock_guard<std::mutex> lock(standByMutex_);
-      standByPeriodNs_.store(nanos(kStandByWait), std::memory_order_relaxed);
+      standByPeriod_.store(kStandByWait, std::memory_order_relaxed);
     }
     if (io_.poll() > 0) {
       continue;
@@ -178,11 +173,11 @@ bool IoPolling::driversActive() const {
   return sinceDrive < kDriverLinger;
 }
 
-bool IoPolling::standByForDrivers() {
+void IoPolling::standByForDrivers() {
   standBys_.fetch_add(1, std::memory_order_relaxed);
-  const std::chrono::nanoseconds period(
-      standByPeriodNs_.load(std::memory_order_relaxed));
-  const uint64_t endsBefore = driveEnds_.load(std::memory_order_relaxed);
+  const std::chrono::nanoseconds period =
+      standByPeriod_.load(std::memory_order_relaxed);
+  const int64_t checkStart = Clock::now().time_since_epoch().count();
   // The wait is chosen under the lock that wakeStandBy() bumps the
   // generation under: a drive that ends before this lock is seen here
   // (sleepingDrives_ already lowered), one that ends after wakes the wait.
@@ -201,24 +196,23 @@ bool IoPolling::standByForDrivers() {
                 lastDriveEnd_.load(std::memory_order_relaxed)));
   }
   const uint64_t generation = standByGeneration_;
-  const bool over = standByCv_.wait_for(lock, wait, [&]() {
+  const bool done = standByCv_.wait_for(lock, wait, [&]() {
     return !driversActive() || closedToDrivers_.load() ||
         standByGeneration_ != generation;
   });
-  if (!over && driveEnds_.load(std::memory_order_relaxed) != endsBefore &&
+  if (!done && lastDriveEnd_.load(std::memory_order_relaxed) >= checkStart &&
       !holdsSends()) {
-    // Still driven after a whole check, by a drive that began during it:
+    // Still driven after a whole check during which a drive ended:
     // a stretch of waits, such as a loop of calls (one long wait does not
     // count). Each check wakes this thread, on a machine with few CPUs
     // often on the CPU that a waiter spins on (Note [Waiting callers drive
     // the transport]), so check less often. Not while sends are held: they
     // wait for the loop's next turn. Under the lock, so that
     // shortenStandBy() is not undone.
-    standByPeriodNs_.store(
-        std::min(nanos(period) * 2, nanos(kStandByWaitMax)),
+    standByPeriod_.store(
+        std::min<std::chrono::nanoseconds>(period * 2, kStandByWaitMax),
         std::memory_order_relaxed);
   }
-  return over;
 }
 
 void IoPolling::wakeStandBy() {
@@ -229,7 +223,7 @@ void IoPolling::wakeStandBy() {
 
 void IoPolling::shortenStandBy() {
   std::lock_guard<std::mutex> lock(standByMutex_);
-  standByPeriodNs_.store(nanos(kStandByWait), std::memory_order_relaxed);
+  standByPeriod_.store(kStandByWait, std::memory_order_relaxed);
   ++standByGeneration_;
   standByCv_.notify_all();
 }
@@ -238,7 +232,7 @@ void IoPolling::noteHeldSend() {
   // Note [Sends held for one write]: the held frame's flush waits for the
   // loop's next turn, which must come within kStandByWait even after a
   // stretch of drives thinned the io thread's checks.
-  if (standByPeriodNs_.load(std::memory_order_relaxed) != nanos(kStandByWait)) {
+  if (standByPeriod_.load(std::memory_order_relaxed) != kStandByWait) {
     shortenStandBy();
   }
 }
@@ -326,7 +320,6 @@ void IoPolling::endDriving(bool answered) {
   lastDriveEnd_.store(
       Clock::now().time_since_epoch().count(),
       std::memory_order_relaxed);
-  driveEnds_.fetch_add(1, std::memory_order_relaxed);
   const bool slept = tlsSleptIn == this;
   if (slept) {
     tlsSleptIn = nullptr;

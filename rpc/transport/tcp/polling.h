@@ -119,16 +119,15 @@ class IoPolling {
   // How long the io thread's next stand-by lasts at most while a waiter
   // drives (for tests; Note [Waiting callers drive the transport]).
   std::chrono::nanoseconds standByPeriod() const {
-    return std::chrono::nanoseconds(
-        standByPeriodNs_.load(std::memory_order_relaxed));
+    return standByPeriod_.load(std::memory_order_relaxed);
   }
 
  private:
   // While a waiter drives, or drove within kDriverLinger: waits on
-  // standByCv_ for at most the stand-by period; true if the drivers were
-  // done by then or it was woken (wakeStandBy(), shortenStandBy()); else
-  // the period grows if a drive ended meanwhile and no sends are held.
-  bool standByForDrivers();
+  // standByCv_ for at most the stand-by period, until the drivers are done
+  // or it is woken (wakeStandBy(), shortenStandBy()). If neither came, the
+  // period grows when a drive ended meanwhile and no sends are held.
+  void standByForDrivers();
   // Makes the io thread's stand-by check again now (any thread).
   void wakeStandBy();
   // Sets the stand-by period back to its shortest and wakes the io thread
@@ -169,14 +168,13 @@ class IoPolling {
   // such a drive ends.
   std::atomic<int> sleepingDrives_{0};
   std::atomic<uint64_t> standBys_{0};
-  // The io threads' stand-by period while drivers are active, in ns:
-  // kStandByWait, doubled per check during which a drive ended and drivers
-  // were still active at its end, up to kStandByWaitMax; back to
-  // kStandByWait when an io thread takes the loop again, a send is held or
-  // a drive ends unanswered. Stored under standByMutex_.
-  std::atomic<int64_t> standByPeriodNs_;
-  // Drives ended so far (a check during which one ended saw a stretch).
-  std::atomic<uint64_t> driveEnds_{0};
+  // The io threads' stand-by period while drivers are active:
+  // kStandByWait, doubled per check during which a drive ended (it saw
+  // lastDriveEnd_ move) and drivers were still active at its end, up to
+  // kStandByWaitMax; back to kStandByWait when an io thread takes the loop
+  // again, a send is held or a drive ends unanswered. Stored under
+  // standByMutex_.
+  std::atomic<std::chrono::nanoseconds> standByPeriod_;
   std::mutex standByMutex_;
   // Bumped under standByMutex_ to make a standing-by io thread check now.
   uint64_t standByGeneration_ = 0;

@@ -170,9 +170,21 @@ TEST_F(TcpStandBy, ChecksThinOutDuringALoopOfCallsAndResetAfter) {
         << "stretch " << stretch << ", " << elapsedMs << " ms";
     EXPECT_EQ(polling_.standByPeriod(), 1000us);
     // The loop ends without telling the io thread: it notices within the
-    // period and the linger, takes the loop, and the period is back to
-    // its start.
+    // period and the linger and takes the loop, so a message nobody waits
+    // for is read (1 ms at most; asserted loosely, as the machine may be
+    // loaded), and the period is back to its start.
     stopLoop();
+    const auto posted = Clock::now();
+    std::atomic<int64_t> readAfterUs{-1};
+    boost::asio::post(io_, [&]() {
+      readAfterUs = std::chrono::duration_cast<std::chrono::microseconds>(
+                        Clock::now() - posted)
+                        .count();
+    });
+    ASSERT_TRUE(torchrpc::testing::eventually(
+        [&]() { return readAfterUs.load() >= 0; },
+        10s));
+    EXPECT_LT(readAfterUs.load(), 20000) << "stretch " << stretch;
     ASSERT_TRUE(torchrpc::testing::eventually(
         [&]() { return polling_.standByPeriod() == 200us; },
         10s))
