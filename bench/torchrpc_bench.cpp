@@ -20,12 +20,15 @@
 #include <deque>
 #include <functional>
 #include <iostream>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <ostream>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "bench/bench_support.h"
@@ -262,6 +265,43 @@ void registerModel(Runtime& rt) {
   });
 }
 
+// The durations of named phases of repeated iterations: start() marks an
+// iteration's start, end(name) closes the phase that ran since the last
+// mark. print() writes each phase's median, in first-seen order.
+class Phases {
+ public:
+  void start() {
+    mark_ = Clock::now();
+  }
+  void end(const std::string& name) {
+    auto now = Clock::now();
+    auto it = std::find_if(phases_.begin(), phases_.end(), [&](const auto& p) {
+      return p.first == name;
+    });
+    if (it == phases_.end()) {
+      phases_.emplace_back(name, std::vector<double>());
+      it = std::prev(phases_.end());
+    }
+    it->second.push_back(
+        std::chrono::duration<double, std::micro>(now - mark_).count());
+    mark_ = now;
+  }
+  void clear() {
+    phases_.clear();
+  }
+  void print(std::ostream& out) const {
+    out << "phases, median us:";
+    for (const auto& p : phases_) {
+      out << " " << p.first << " " << median(p.second) << ";";
+    }
+    out << "\n";
+  }
+
+ private:
+  Clock::time_point mark_;
+  std::vector<std::pair<std::string, std::vector<double>>> phases_;
+};
+
 // Local and distributed iterations alternate (worker1 idles, without
 // spinning, during the local ones); the value is the median of the
 // differences of neighbouring pairs, which cancels the machine's slow drifts
@@ -270,18 +310,32 @@ double distAutogradOverhead(Runtime& rt, bool quick) {
   auto model = makeModel();
   torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.01));
   auto x = at::rand({1, 1024});
+  // Each iteration's phases, for stderr: where a difference comes from.
+  Phases phases;
   auto localIteration = [&]() {
+    phases.start();
     for (auto& p : model->parameters()) {
       p.mutable_grad() = at::Tensor(); // zero_grad(set_to_none=True)
     }
-    model->forward(x).sum().backward();
+    auto loss = model->forward(x).sum();
+    phases.end("local forward");
+    loss.backward();
+    phases.end("local backward");
     sgd.step();
+    phases.end("local step");
   };
   auto distributedIteration = [&]() {
-    torchrpc::autograd::Context context(rt);
-    auto out = rt.rpcSync<at::Tensor>("worker1", "model_forward", x);
-    context.backward({out.sum()});
-    rt.rpcSync<bool>("worker1", "sgd_step");
+    phases.start();
+    {
+      torchrpc::autograd::Context context(rt);
+      auto out = rt.rpcSync<at::Tensor>("worker1", "model_forward", x);
+      phases.end("forward call");
+      context.backward({out.sum()});
+      phases.end("distributed backward");
+      rt.rpcSync<bool>("worker1", "sgd_step");
+      phases.end("step call");
+    }
+    phases.end("context release");
   };
   int warmup = quick ? 5 : 20;
   int timed = quick ? 40 : 200;
@@ -289,6 +343,7 @@ double distAutogradOverhead(Runtime& rt, bool quick) {
     localIteration();
     distributedIteration();
   }
+  phases.clear();
   std::vector<double> local;
   std::vector<double> distributed;
   std::vector<double> differences;
@@ -308,6 +363,7 @@ double distAutogradOverhead(Runtime& rt, bool quick) {
             << " us; distributed: median " << d << " us, min "
             << *std::min_element(distributed.begin(), distributed.end())
             << " us; difference of medians " << d - l << " us\n";
+  phases.print(std::cerr);
   return median(differences);
 }
 
