@@ -104,6 +104,45 @@ TEST(TcpWaitDriver, AWaiterPastItsSpinSleepsInTheLoopAndReadsItsAnswer) {
   }
 }
 
+TEST(TcpWaitDriver, AfterAQuietSpellTheIoThreadReadsTheWaitersAnswer) {
+  // Polling for 1 ms after traffic: after a quiet spell the io thread
+  // sleeps in epoll, holding the reactor. A wait that begins then cannot
+  // run the loop: it spins (as Future::wait() does) without reading, does
+  // not sleep in the loop, and its answer is read by the io thread, which
+  // would then wake the waiter (README, "a caller waiting for a reply").
+  torchrpc::testing::NoContentionBackoff noBackoff;
+  HeldClient c(std::chrono::microseconds(1000), kNoPoll);
+  ASSERT_NE(c.serverTalk, nullptr);
+  for (int i = 1; i <= 3; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    std::thread answer([&]() {
+      std::this_thread::sleep_for(std::chrono::milliseconds(40));
+      c.serverTalk->send(makeMessage("answer"), [](const TransportError*) {});
+    });
+    std::function<void()> wake;
+    {
+      detail::DrivingScope driving;
+      const auto spinUntil = Clock::now() + std::chrono::milliseconds(2);
+      while (Clock::now() < spinUntil) {
+        if (!driving.driveOnce()) {
+          std::this_thread::yield();
+        }
+      }
+      driving.blockUntil(
+          [&]() { return c.received.load() == i; },
+          [&](std::function<void()> w) { wake = std::move(w); });
+      driving.end(c.received.load() == i);
+    }
+    // blockUntil() returned at once, without sleeping in the loop.
+    EXPECT_EQ(c.received.load(), i - 1) << "wait " << i;
+    answer.join();
+    ASSERT_TRUE(torchrpc::testing::eventually(
+        [&]() { return c.received.load() == i; },
+        kTimeout));
+    EXPECT_NE(c.readBy, std::this_thread::get_id()) << "wait " << i;
+  }
+}
+
 TEST(TcpWaitDriver, ASleepingWaiterWakesWhenDoneByAnotherThread) {
   // The io thread must stay out of epoll, whose reactor the waiter needs.
   torchrpc::testing::NoContentionBackoff noBackoff;
