@@ -59,15 +59,18 @@ namespace detail {
 // them. join() wakes it as it closes the loop to drivers. Only when a
 // wait drives exactly one loop: no thread can sleep in two.
 //
-// A waiter can do neither while the io thread is asleep in the loop when
-// the wait begins, as it usually is after a quiet spell longer than its
-// polling (Note [Polling after traffic]): that thread holds the reactor,
-// so the waiter's polls find nothing and it sleeps on its future, and the
-// io thread reads the answer and wakes it. Waking the io thread to stand by when a wait
-// begins, and leaving it the loop until it has, made the answer reach the
-// waiter directly, but measured slower on two vCPUs (bench/RESULTS.md,
-// "Where the distributed-autograd overhead goes"): the extra wake-up
-// competes with the peer's work for the CPUs.
+// A waiter can do neither while the io thread is asleep in the loop, in
+// epoll, where it holds the reactor: the waiter's polls find nothing, it
+// sleeps on its future, and the io thread reads the answer and wakes it.
+// That is the usual case after a quiet spell longer than the io thread's
+// polling (Note [Polling after traffic]): the wake-up that the call's own
+// send posts to it (noteSend()) is an empty handler, which the waiter's
+// first poll can run instead, and the io thread then goes back to epoll.
+// Waking the io thread to stand by when a wait begins, with the waiter
+// not driving until it has left epoll (at most 0.5 ms), made the answer
+// reach the waiter directly in a transport test, but did not make
+// bench/compare's dist_autograd_overhead faster (bench/RESULTS.md, "Where
+// the distributed-autograd overhead goes").
 //
 // What a waiter runs is what the io thread would: reads, the handlers of
 // cheap functions (Note [Where messages are handled]) and future

@@ -104,43 +104,71 @@ TEST(TcpWaitDriver, AWaiterPastItsSpinSleepsInTheLoopAndReadsItsAnswer) {
   }
 }
 
+// A client whose io thread polls for 1 ms after traffic and then sleeps in
+// epoll, holding the reactor; no heartbeats, so that a quiet spell stays
+// quiet.
+detail::TcpTransportOptions quietOptions(std::string name, bool poll) {
+  auto options = pollingOptions(
+      std::move(name),
+      poll ? std::chrono::microseconds(1000) : kNoPoll);
+  options.heartbeatInterval = std::chrono::seconds(60);
+  options.peerTimeout = std::chrono::seconds(600);
+  return options;
+}
+
 TEST(TcpWaitDriver, AfterAQuietSpellTheIoThreadReadsTheWaitersAnswer) {
-  // Polling for 1 ms after traffic: after a quiet spell the io thread
-  // sleeps in epoll, holding the reactor. A wait that begins then cannot
-  // run the loop: it spins (as Future::wait() does) without reading, does
-  // not sleep in the loop, and its answer is read by the io thread, which
-  // would then wake the waiter (README, "a caller waiting for a reply").
+  // README, "a caller waiting for a reply": after a quiet spell the io
+  // thread sleeps in epoll, holding the reactor, so a waiter's polls read
+  // nothing and it cannot sleep in the loop; the io thread reads the
+  // answer (and would then wake the waiter).
   torchrpc::testing::NoContentionBackoff noBackoff;
-  HeldClient c(std::chrono::microseconds(1000), kNoPoll);
+  HeldClient c(quietOptions("client", true), quietOptions("server", false));
   ASSERT_NE(c.serverTalk, nullptr);
+  // An answer that comes while the waiter polls.
   for (int i = 1; i <= 3; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(30));
-    std::thread answer([&]() {
-      std::this_thread::sleep_for(std::chrono::milliseconds(40));
-      c.serverTalk->send(makeMessage("answer"), [](const TransportError*) {});
-    });
-    std::function<void()> wake;
-    {
-      detail::DrivingScope driving;
-      const auto spinUntil = Clock::now() + std::chrono::milliseconds(2);
-      while (Clock::now() < spinUntil) {
-        if (!driving.driveOnce()) {
-          std::this_thread::yield();
-        }
+    detail::DrivingScope driving;
+    c.serverTalk->send(makeMessage("answer"), [](const TransportError*) {});
+    const auto deadline = Clock::now() + kTimeout;
+    while (c.received.load() < i && Clock::now() < deadline) {
+      if (!driving.driveOnce()) {
+        std::this_thread::yield();
       }
-      driving.blockUntil(
-          [&]() { return c.received.load() == i; },
-          [&](std::function<void()> w) { wake = std::move(w); });
-      driving.end(c.received.load() == i);
     }
-    // blockUntil() returned at once, without sleeping in the loop.
-    EXPECT_EQ(c.received.load(), i - 1) << "wait " << i;
-    answer.join();
-    ASSERT_TRUE(torchrpc::testing::eventually(
-        [&]() { return c.received.load() == i; },
-        kTimeout));
-    EXPECT_NE(c.readBy, std::this_thread::get_id()) << "wait " << i;
+    driving.end(c.received.load() == i);
+    ASSERT_EQ(c.received.load(), i);
+    EXPECT_NE(c.readBy, std::this_thread::get_id()) << "answer " << i;
   }
+  // A waiter whose spin ended without its answer: blockUntil() does not
+  // sleep in the loop but returns, and the answer, sent only then, is read
+  // by the io thread.
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  torchrpc::testing::Gate sendAnswer;
+  std::thread answer([&]() {
+    if (sendAnswer.pass()) {
+      c.serverTalk->send(makeMessage("answer"), [](const TransportError*) {});
+    }
+  });
+  std::function<void()> wake;
+  const auto start = Clock::now();
+  {
+    // Bounded, so that a waiter that does sleep in the loop (the answer
+    // comes only after it returns) fails the test instead of hanging it.
+    const auto giveUp = start + std::chrono::seconds(2);
+    detail::DrivingScope driving;
+    driving.blockUntil(
+        [&]() { return c.received.load() == 4 || Clock::now() > giveUp; },
+        [&](std::function<void()> w) { wake = std::move(w); });
+    driving.end(c.received.load() == 4);
+  }
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(1));
+  EXPECT_TRUE(static_cast<bool>(wake));
+  sendAnswer.open();
+  answer.join();
+  ASSERT_TRUE(torchrpc::testing::eventually(
+      [&]() { return c.received.load() == 4; },
+      kTimeout));
+  EXPECT_NE(c.readBy, std::this_thread::get_id());
 }
 
 TEST(TcpWaitDriver, ASleepingWaiterWakesWhenDoneByAnotherThread) {
