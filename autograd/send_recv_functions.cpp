@@ -3,12 +3,20 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
+#include <atomic>
 #include <unordered_set>
 
 namespace torchrpc {
 namespace autograd {
 
 namespace {
+
+// RecvFunctions alive in this process, whichever runtime recorded them:
+// while there are none, no graph reaches one, and a SendFunction needs no
+// walk to know that its graph is final. A RecvFunction is counted before
+// it becomes any tensor's grad_fn, so a thread that holds a tensor whose
+// graph reaches it sees the count.
+std::atomic<int64_t> liveRecvFunctions{0};
 
 std::vector<at::Tensor> requiringGrad(const std::vector<at::Tensor>& tensors) {
   std::vector<at::Tensor> out;
@@ -65,7 +73,11 @@ SendFunction::SendFunction(
     add_input_metadata(tensor);
     sent_.push_back(Sent{tensor.sizes().vec(), tensor.options()});
   }
-  graphIsFinal_ = reachesNoRecv(next_edges(), kMaxFinalityWalk);
+  // In the common shape of a trainer calling servers, a server receives
+  // no tensor that requires grad: then its replies skip the walk, whose
+  // cost grows with the model behind them.
+  graphIsFinal_ = liveRecvFunctions.load() == 0 ||
+      reachesNoRecv(next_edges(), kMaxFinalityWalk);
 }
 
 torch::autograd::variable_list SendFunction::apply(
@@ -85,7 +97,17 @@ RecvFunction::RecvFunction(
     : contextId_(contextId),
       messageId_(messageId),
       fromWorker_(fromWorker),
-      senderGraphIsFinal_(senderGraphIsFinal) {}
+      senderGraphIsFinal_(senderGraphIsFinal) {
+  liveRecvFunctions.fetch_add(1);
+}
+
+RecvFunction::~RecvFunction() {
+  liveRecvFunctions.fetch_sub(1);
+}
+
+int64_t RecvFunction::liveCount() {
+  return liveRecvFunctions.load();
+}
 
 void RecvFunction::adopt(std::vector<at::Tensor>& tensors) {
   auto self = shared_from_this();

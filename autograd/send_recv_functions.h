@@ -49,8 +49,9 @@ class SendFunction : public torch::autograd::Node {
 
   // Whether the graph behind the sent tensors reaches no RecvFunction, so
   // a backward pass that reaches this send reaches no further worker from
-  // here. Fixed at construction: nodes only point to older nodes. False
-  // (unknown) for graphs larger than kMaxFinalityWalk nodes.
+  // here. Fixed at construction: nodes only point to older nodes. True
+  // without a walk while no RecvFunction exists in the process; otherwise
+  // false (unknown) for graphs larger than kMaxFinalityWalk nodes.
   bool graphIsFinal() const {
     return graphIsFinal_;
   }
@@ -76,6 +77,7 @@ class RecvFunction : public torch::autograd::Node {
       int64_t messageId,
       int64_t fromWorker,
       bool senderGraphIsFinal);
+  ~RecvFunction() override;
 
   // Makes this node the grad_fn of `tensors` (those requiring grad, in
   // order).
@@ -97,6 +99,8 @@ class RecvFunction : public torch::autograd::Node {
   bool senderGraphIsFinal() const {
     return senderGraphIsFinal_;
   }
+  // RecvFunctions alive in this process (SendFunction::graphIsFinal()).
+  static int64_t liveCount();
 
  private:
   const int64_t contextId_;

@@ -284,17 +284,47 @@ TEST_P(AutogradRecording, AGuardEndsWithoutWaitingForTheOtherWorkers) {
   cluster_->network()->setFaultInjector(nullptr);
 }
 
+// Whether a SendFunction of `nodes` multiplications of a leaf finds its
+// graph final.
+bool chainIsFinal(size_t nodes) {
+  auto y = at::ones({2}).requires_grad_();
+  for (size_t i = 0; i < nodes; ++i) {
+    y = y * 1.0;
+  }
+  return autograd::SendFunction(1, 1, 1, {y}).graphIsFinal();
+}
+
 TEST(SendFunctionFinality, GraphsLargerThanTheWalkLimitCountAsNotFinal) {
-  auto x = at::ones({2}).requires_grad_();
-  auto chain = [&](size_t nodes) {
-    auto y = x;
-    for (size_t i = 0; i < nodes; ++i) {
-      y = y * 1.0;
-    }
-    return autograd::SendFunction(1, 1, 1, {y}).graphIsFinal();
-  };
-  EXPECT_TRUE(chain(100));
-  EXPECT_FALSE(chain(autograd::SendFunction::kMaxFinalityWalk + 10));
+  // A RecvFunction alive anywhere in the process makes a send walk its
+  // graph, here one that cannot reach it.
+  auto elsewhere = std::make_shared<autograd::RecvFunction>(1, 1, 1, false);
+  EXPECT_TRUE(chainIsFinal(100));
+  EXPECT_FALSE(chainIsFinal(autograd::SendFunction::kMaxFinalityWalk + 10));
+}
+
+TEST(SendFunctionFinality, WithNoRecvFunctionInTheProcessAnyGraphIsFinal) {
+  if (autograd::RecvFunction::liveCount() != 0) {
+    // Sharded runs put many tests in one process; one may still hold a
+    // graph. Run alone (the default: one process per test), it has none.
+    GTEST_SKIP() << "a RecvFunction of an earlier test in this process lives";
+  }
+  // Past the walk's limit, so only the count can say so.
+  EXPECT_TRUE(chainIsFinal(autograd::SendFunction::kMaxFinalityWalk + 10));
+  {
+    auto recv = std::make_shared<autograd::RecvFunction>(1, 1, 1, false);
+    EXPECT_EQ(autograd::RecvFunction::liveCount(), 1);
+  }
+  EXPECT_EQ(autograd::RecvFunction::liveCount(), 0);
+}
+
+TEST(SendFunctionFinality, AReachableRecvFunctionMakesTheGraphNotFinal) {
+  auto recv = std::make_shared<autograd::RecvFunction>(1, 1, 1, true);
+  std::vector<at::Tensor> received = {at::ones({2}).requires_grad_()};
+  recv->adopt(received);
+  auto y = received[0] * 2.0;
+  EXPECT_FALSE(autograd::SendFunction(1, 2, 1, {y}).graphIsFinal());
+  auto unrelated = at::ones({2}).requires_grad_() * 2.0;
+  EXPECT_TRUE(autograd::SendFunction(1, 3, 1, {unrelated}).graphIsFinal());
 }
 
 INSTANTIATE_TEST_SUITE_P(
