@@ -11,11 +11,13 @@ namespace autograd {
 
 namespace {
 
-// RecvFunctions alive in this process, whichever runtime recorded them:
-// while there are none, no graph reaches one, and a SendFunction needs no
-// walk to know that its graph is final. A RecvFunction is counted before
-// it becomes any tensor's grad_fn, so a thread that holds a tensor whose
-// graph reaches it sees the count.
+// RecvFunctions alive in this process: while there are none, no graph
+// reaches one, and a SendFunction needs no walk to know that its graph is
+// final. Per process, not per runtime, on purpose: a tensor one runtime
+// received may be computed with and sent by another in the same process.
+// A RecvFunction counts for as long as anything holds it, graph edges
+// included, and is counted before it becomes any tensor's grad_fn, so a
+// thread that holds a tensor whose graph reaches it sees the count.
 std::atomic<int64_t> liveRecvFunctions{0};
 
 std::vector<at::Tensor> requiringGrad(const std::vector<at::Tensor>& tensors) {
@@ -73,8 +75,8 @@ SendFunction::SendFunction(
     add_input_metadata(tensor);
     sent_.push_back(Sent{tensor.sizes().vec(), tensor.options()});
   }
-  // In the common shape of a trainer calling servers, a server receives
-  // no tensor that requires grad: then its replies skip the walk, whose
+  // A server whose callers send it no tensor that requires grad (data,
+  // not activations) holds none: its replies then skip the walk, whose
   // cost grows with the model behind them.
   graphIsFinal_ = liveRecvFunctions.load() == 0 ||
       reachesNoRecv(next_edges(), kMaxFinalityWalk);

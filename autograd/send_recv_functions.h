@@ -99,7 +99,8 @@ class RecvFunction : public torch::autograd::Node {
   bool senderGraphIsFinal() const {
     return senderGraphIsFinal_;
   }
-  // RecvFunctions alive in this process (SendFunction::graphIsFinal()).
+  // RecvFunctions alive in this process: what SendFunction's constructor
+  // reads to skip its walk; exposed for tests.
   static int64_t liveCount();
 
  private:

@@ -53,7 +53,8 @@ namespace autograd {
 //      have all been answered, every worker knows all it will receive.
 //  D2'. Shortcut: each SendFunction knows whether the graph behind it
 //      reaches any RecvFunction (SendFunction::graphIsFinal, fixed when it
-//      is recorded since nodes only point to older nodes), and its message
+//      is recorded since nodes only point to older nodes; known without a
+//      walk while the process holds no RecvFunction), and its message
 //      tells the receiver's RecvFunction. When every RecvFunction the
 //      driver's own walk reaches came from another worker whose graph
 //      behind it is final, discovery could only mark those sends, so the

@@ -205,9 +205,9 @@ class BulkCopyScope {
 
 // At most one io thread of a process polls at a time, so several workers
 // in one process (tests, mostly) never poll at once. Released when the
-// thread stops polling, also by an exception from a handler. This is the
-// one process-global mutable state of the library, on purpose: the point
-// is to bound CPU per process, whatever number of transports it runs.
+// thread stops polling, also by an exception from a handler. Process-
+// global on purpose: the point is to bound CPU per process, whatever number
+// of transports it runs.
 class PollingSlot {
  public:
   PollingSlot() = default;
