@@ -189,12 +189,17 @@ void TcpConnectionImpl::send(Message&& message, Connection::SendCallback done) {
       addresses,
       segments);
   frame.total = frame.prefix.size() + message.header.size();
-  for (size_t i = 0; i < count; ++i) {
-    // Tensors by address or in a segment are not written.
-    if (addresses.empty() ||
-        (addresses[i] == 0 && (segments.empty() || segments[i] == 0))) {
-      frame.total += lengths[i];
-      frame.tensors.push_back(std::move(message.tensors[i]));
+  if (addresses.empty()) {
+    // Every tensor is written: the frame takes the message's vector.
+    frame.total += tensorBytes;
+    frame.tensors = std::move(message.tensors);
+  } else {
+    for (size_t i = 0; i < count; ++i) {
+      // Tensors by address or in a segment are not written.
+      if (addresses[i] == 0 && (segments.empty() || segments[i] == 0)) {
+        frame.total += lengths[i];
+        frame.tensors.push_back(std::move(message.tensors[i]));
+      }
     }
   }
   frame.body = std::move(message.header);

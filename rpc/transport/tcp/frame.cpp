@@ -1,5 +1,7 @@
 #include "torchrpc/rpc/transport/tcp/frame.h"
 
+#include <c10/util/Exception.h>
+
 #include <algorithm>
 #include <utility>
 
@@ -46,17 +48,30 @@ void decodeLeWords(std::vector<uint64_t>& words) {
   }
 }
 
+namespace {
+
+// Writes kFrameHeaderBytes at `out`.
+void writeFrameHeader(
+    char* out,
+    FrameType type,
+    uint32_t bodyBytes,
+    uint32_t count) {
+  putU32(out, kMagic);
+  out[4] = static_cast<char>(kVersion);
+  out[5] = static_cast<char>(type);
+  putU16(out + 6, 0);
+  putU32(out + 8, bodyBytes);
+  putU32(out + 12, count);
+}
+
+} // namespace
+
 std::string encodeFrameHeader(
     FrameType type,
     uint32_t bodyBytes,
     uint32_t count) {
   std::string out(kFrameHeaderBytes, '\0');
-  putU32(&out[0], kMagic);
-  out[4] = static_cast<char>(kVersion);
-  out[5] = static_cast<char>(type);
-  putU16(&out[6], 0);
-  putU32(&out[8], bodyBytes);
-  putU32(&out[12], count);
+  writeFrameHeader(out.data(), type, bodyBytes, count);
   return out;
 }
 
@@ -129,27 +144,36 @@ std::string encodeDataPrefix(
   const bool byAddress = !addresses.empty();
   const bool shared = byAddress && !segments.empty();
   const size_t count = lengths.size();
-  std::string prefix = encodeFrameHeader(
+  // Sized once and written in place: one allocation per message sent.
+  std::string prefix(
+      kFrameHeaderBytes + 8 * count +
+          (byAddress ? 8 * (1 + count * (shared ? 2 : 1)) : 0),
+      '\0');
+  writeFrameHeader(
+      prefix.data(),
       shared          ? FrameType::kDataShared
           : byAddress ? FrameType::kDataCma
                       : FrameType::kData,
       bodyBytes,
       static_cast<uint32_t>(count));
-  prefix.reserve(
-      kFrameHeaderBytes + 8 * count +
-      (byAddress ? 8 * (1 + count * (shared ? 2 : 1)) : 0));
+  char* out = prefix.data() + kFrameHeaderBytes;
+  auto put = [&out](uint64_t word) {
+    putU64(out, word);
+    out += 8;
+  };
   for (size_t length : lengths) {
-    appendU64(prefix, length);
+    put(length);
   }
   if (byAddress) {
-    appendU64(prefix, id);
+    put(id);
     for (size_t i = 0; i < count; ++i) {
       if (shared) {
-        appendU64(prefix, segments[i]);
+        put(segments[i]);
       }
-      appendU64(prefix, addresses[i]);
+      put(addresses[i]);
     }
   }
+  TORCH_INTERNAL_ASSERT(out == prefix.data() + prefix.size());
   return prefix;
 }
 

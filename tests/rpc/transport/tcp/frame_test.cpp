@@ -140,6 +140,22 @@ TEST(TcpFrame, DataPrefixCarriesLengthsAndForZeroCopyTheAddresses) {
   std::vector<uint64_t> words = wireWords(cma.substr(kFrameHeaderBytes));
   decodeLeWords(words);
   EXPECT_EQ(words, (std::vector<uint64_t>{3, 1 << 20, 42, 0, 0xabcdef}));
+
+  // In a segment: the id, then {segment, address} per tensor.
+  std::string shared =
+      encodeDataPrefix(7, {3, 1 << 20}, 42, {0, 0xabcdef}, {0, 5});
+  std::string wantShared = harness::rawFrameHeader(11, 7, 2);
+  for (uint64_t word :
+       {uint64_t(3),
+        uint64_t(1 << 20),
+        uint64_t(42),
+        uint64_t(0),
+        uint64_t(0),
+        uint64_t(5),
+        uint64_t(0xabcdef)}) {
+    harness::putLe(wantShared, word, 8);
+  }
+  EXPECT_EQ(shared, wantShared);
 }
 
 TEST(TcpFrame, ControlFrameIsHeaderAndBody) {
