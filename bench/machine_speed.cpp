@@ -1,8 +1,8 @@
 // How fast this machine runs right now, for bench/compare to print beside
-// every round of a workload. The project's VM alternates between two
-// speeds in stretches of 0.1 to 7 s (bench/RESULTS.md, "A machine with two
-// speeds"): the same instructions take about 1.9 times as long in the slow
-// one. A figure can only be read against the speed it was measured at.
+// every workload. A virtual machine's speed can change from one second to
+// the next (the host's other load); bench/RESULTS.md records this one's
+// two speeds. A figure can only be compared with another measured at the
+// same speed.
 //
 //   BUILD_DIR/bench/machine_speed [--quick]
 //
@@ -19,26 +19,27 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <iostream>
-#include <string>
 #include <vector>
 
 namespace {
 
 using torchrpc::bench::Clock;
 
-// The median time of one x + 1 over `chunk` of timed operations.
+// The median time of one x + 1 over `chunk` of timed operations (at least
+// one, even when the thread lost its CPU for the whole chunk).
 double chunkMedian(const at::Tensor& x, std::chrono::milliseconds chunk) {
   std::vector<double> micros;
   micros.reserve(200000);
   const auto start = Clock::now();
-  while (Clock::now() - start < chunk && micros.size() < 200000) {
+  do {
     const auto before = Clock::now();
     at::Tensor y = x + 1;
     micros.push_back(torchrpc::bench::microsSince(before));
-  }
+  } while (Clock::now() - start < chunk && micros.size() < 200000);
   return torchrpc::bench::median(micros);
 }
 
