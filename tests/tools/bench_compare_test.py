@@ -1,0 +1,77 @@
+#!/usr/bin/python3
+"""bench/compare's "machine" figure (README "Benchmarks", bench/README.md).
+
+  bench_compare_test.py REPO BUILD_DIR
+
+Runs compare on one quick workload (idle_cpu_cores) with a stand-in for the
+PyTorch side (TORCHRPC_BENCH_PYTHON: a script that prints a fixed line), so
+that the test needs neither PyTorch's RPC nor its minutes:
+  1. with BUILD_DIR and --rounds 2: the line has "machine", the median of
+     "machine_runs", two positive figures from bench/machine_speed, and no
+     "machine_error";
+  2. with a build directory that has torchrpc_bench but not machine_speed:
+     "machine" is null and "machine_error" says why, and the run still
+     succeeds (the machine's speed never changes compare's exit status).
+Exits 0 when both hold, 1 otherwise.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+PYTORCH_LINE = ('{"workload": "idle_cpu_cores", "metric": "idle_cpu", "unit": "cores", '
+                '"value": 2.0, "better": "lower"}')
+
+
+def run_compare(repo, build_dir, stub, rounds):
+    cmd = [sys.executable, os.path.join(repo, "bench", "compare"), build_dir, "--quick",
+           "--workloads", "idle_cpu_cores", "--rounds", str(rounds), "--timeout", "120"]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                       timeout=600, env=dict(os.environ, TORCHRPC_BENCH_PYTHON=stub))
+    lines = [l for l in p.stdout.splitlines() if l.strip()]
+    if p.returncode != 0 or len(lines) != 1:
+        sys.exit(f"FAIL: compare exited {p.returncode} with {len(lines)} lines\n"
+                 f"stdout:\n{p.stdout}\nstderr tail:\n{p.stderr[-2000:]}")
+    return json.loads(lines[0])
+
+
+def check(condition, what, line):
+    if not condition:
+        sys.exit(f"FAIL: {what}\nline: {json.dumps(line)}")
+
+
+def main():
+    repo, build_dir = sys.argv[1], os.path.abspath(sys.argv[2])
+    with tempfile.TemporaryDirectory() as tmp:
+        stub = os.path.join(tmp, "pytorch_stub")
+        with open(stub, "w") as f:
+            f.write(f"#!/bin/sh\necho '{PYTORCH_LINE}'\n")
+        os.chmod(stub, 0o755)
+
+        line = run_compare(repo, build_dir, stub, rounds=2)
+        check(line.get("pytorch") == 2.0, "the stand-in PyTorch side was not used", line)
+        runs = line.get("machine_runs")
+        check(isinstance(runs, list) and len(runs) == 2, "machine_runs is not two rounds", line)
+        check(all(isinstance(v, (int, float)) and v > 0 for v in runs),
+              "a round has no machine figure", line)
+        check(line.get("machine") == statistics.median(runs),
+              "machine is not the median of machine_runs", line)
+        check("machine_error" not in line, "machine_error on a measured run", line)
+
+        # Only torchrpc_bench: machine_speed is missing.
+        os.makedirs(os.path.join(tmp, "build", "bench"))
+        os.symlink(os.path.join(build_dir, "bench", "torchrpc_bench"),
+                   os.path.join(tmp, "build", "bench", "torchrpc_bench"))
+        line = run_compare(repo, os.path.join(tmp, "build"), stub, rounds=1)
+        check(line.get("torchrpc") is not None, "the torchrpc side failed", line)
+        check("machine" in line and line["machine"] is None, "machine is not null", line)
+        check(line.get("machine_error") == "machine_speed not built",
+              "machine_error does not say why", line)
+    print("PASS")
+
+
+if __name__ == "__main__":
+    main()
