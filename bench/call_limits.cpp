@@ -8,7 +8,7 @@
 // reply, as torchrpc's and gRPC's benchmarks do. So these are bounds, not
 // competitors; bench/compare reports them as "limit" beside the workloads.
 //
-//   BUILD_DIR/bench/call_limits --workload W [--socket unix|tcp]
+//   BUILD_DIR/bench/call_limits --workload W [--socket unix|tcp|shm]
 //                               [--blocking] [--calls N] [--quick]
 //
 // calls_per_s_64_outstanding: at most 64 calls outstanding; both sides
@@ -23,9 +23,12 @@
 // The socket is a Unix stream socket by default, which is what torchrpc
 // connects two workers of one host with (Note [Local sockets for peers on
 // this host]); --socket tcp uses loopback TCP, torchrpc's path between
-// hosts. Prints one JSON line like the other benchmarks. Exits 1 if an
-// answer is wrong or a socket fails; the server child is killed by pid
-// however the client ends.
+// hosts. --socket shm (call_rtt_1elem only) replaces the socket with one
+// shared page that both sides spin on: the round trip of the same
+// exchange without the kernel, what a same-host shared-memory path could
+// reach at best. Prints one JSON line like the other benchmarks. Exits 1
+// if an answer is wrong or a socket fails; the server child is killed by
+// pid however the client ends.
 
 #include "bench/bench_support.h"
 
@@ -35,11 +38,13 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -204,6 +209,86 @@ std::vector<double> roundTrips(int fd, int calls) {
   return micros;
 }
 
+// --socket shm: one page shared by the client and the server child. A
+// request is its float in `request` and then the call's number in
+// `requestSeq`; the reply the same in `reply` and `replySeq`. The client
+// waits for replySeq to reach the call's number, the server for requestSeq
+// to move, both spinning on the load as the socket modes spin on recv.
+struct SharedExchange {
+  alignas(64) std::atomic<uint32_t> requestSeq{0};
+  float request = 0;
+  alignas(64) std::atomic<uint32_t> replySeq{0};
+  float reply = 0;
+  // Set by the client when it is done: the server returns.
+  alignas(64) std::atomic<bool> closed{false};
+};
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "shared atomics");
+
+SharedExchange* mapSharedExchange() {
+  void* page = ::mmap(
+      nullptr,
+      sizeof(SharedExchange),
+      PROT_READ | PROT_WRITE,
+      MAP_SHARED | MAP_ANONYMOUS,
+      -1,
+      0);
+  if (page == MAP_FAILED) {
+    die("mmap a shared page");
+  }
+  return new (page) SharedExchange();
+}
+
+// serve() over the shared page, until the client closes it. A client that
+// died without closing it is noticed by the parent's change (the server
+// is its child), so the spin is bounded by the client's life.
+void serveShared(SharedExchange& shared) {
+  const pid_t parent = ::getppid();
+  uint32_t seen = 0;
+  for (uint64_t spins = 0;; ++spins) {
+    const uint32_t now = shared.requestSeq.load(std::memory_order_acquire);
+    if (now == seen) {
+      if (shared.closed.load(std::memory_order_acquire)) {
+        return;
+      }
+      if ((spins & 0xffff) == 0 && ::getppid() != parent) {
+        return;
+      }
+      continue;
+    }
+    seen = now;
+    at::Tensor x = at::empty({1}, at::kFloat);
+    std::memcpy(x.data_ptr(), &shared.request, kValueBytes);
+    at::Tensor y = x + 1;
+    std::memcpy(&shared.reply, y.data_ptr(), kValueBytes);
+    shared.replySeq.store(now, std::memory_order_release);
+  }
+}
+
+// roundTrips() over the shared page; `first` is the first call's number.
+std::vector<double> sharedRoundTrips(
+    SharedExchange& shared,
+    uint32_t first,
+    int calls) {
+  const float one = 1.0f;
+  std::vector<double> micros;
+  micros.reserve(static_cast<size_t>(calls));
+  for (uint32_t seq = first; seq < first + static_cast<uint32_t>(calls);
+       ++seq) {
+    const auto start = std::chrono::steady_clock::now();
+    shared.request = one;
+    shared.requestSeq.store(seq, std::memory_order_release);
+    while (shared.replySeq.load(std::memory_order_acquire) != seq) {
+    }
+    char bytes[kValueBytes];
+    std::memcpy(bytes, &shared.reply, kValueBytes);
+    checkReply(bytes);
+    micros.push_back(std::chrono::duration<double, std::micro>(
+                         std::chrono::steady_clock::now() - start)
+                         .count());
+  }
+  return micros;
+}
+
 // A connected pair of sockets: a Unix stream socket pair, or loopback TCP
 // (a listener on an ephemeral port of 127.0.0.1, one connection).
 std::pair<int, int> connectedPair(bool tcp) {
@@ -261,8 +346,8 @@ bool endServer(int clientFd, pid_t child) {
 
 [[noreturn]] void usage() {
   std::cerr << "usage: call_limits --workload "
-               "calls_per_s_64_outstanding|call_rtt_1elem [--socket unix|tcp] "
-               "[--blocking] [--calls N] [--quick]\n";
+               "calls_per_s_64_outstanding|call_rtt_1elem "
+               "[--socket unix|tcp|shm] [--blocking] [--calls N] [--quick]\n";
   std::exit(2);
 }
 
@@ -270,7 +355,7 @@ bool endServer(int clientFd, pid_t child) {
 
 int main(int argc, char** argv) {
   std::string workload;
-  bool tcp = false;
+  std::string socketName = "unix";
   bool blocking = false;
   bool quick = false;
   int calls = -1;
@@ -279,11 +364,10 @@ int main(int argc, char** argv) {
     if (arg == "--workload" && i + 1 < argc) {
       workload = argv[++i];
     } else if (arg == "--socket" && i + 1 < argc) {
-      std::string kind = argv[++i];
-      if (kind != "unix" && kind != "tcp") {
+      socketName = argv[++i];
+      if (socketName != "unix" && socketName != "tcp" && socketName != "shm") {
         usage();
       }
-      tcp = kind == "tcp";
     } else if (arg == "--blocking") {
       blocking = true;
     } else if (arg == "--quick") {
@@ -297,6 +381,12 @@ int main(int argc, char** argv) {
   const bool pipelinedWorkload = workload == "calls_per_s_64_outstanding";
   if (!pipelinedWorkload && workload != "call_rtt_1elem") {
     usage();
+  }
+  const bool shared = socketName == "shm";
+  if (shared && (pipelinedWorkload || blocking)) {
+    std::cerr << "call_limits: --socket shm measures call_rtt_1elem with "
+                 "polled reads only\n";
+    return 2;
   }
   // The workloads' own counts (bench/README.md); the pipelined bound runs
   // longer, its rate is steadier for it.
@@ -314,7 +404,38 @@ int main(int argc, char** argv) {
   // round trip polls unless told to block.
   pollReads = !pipelinedWorkload && !blocking;
 
-  const auto [clientFd, serverFd] = connectedPair(tcp);
+  if (shared) {
+    SharedExchange* exchange = mapSharedExchange();
+    pid_t child = ::fork();
+    if (child < 0) {
+      die("fork");
+    }
+    if (child == 0) {
+      serveShared(*exchange);
+      ::_exit(0);
+    }
+    serverPid = child;
+    sharedRoundTrips(*exchange, 1, warmUp);
+    std::vector<double> micros =
+        sharedRoundTrips(*exchange, 1 + static_cast<uint32_t>(warmUp), calls);
+    exchange->closed.store(true, std::memory_order_release);
+    int status = 0;
+    ::waitpid(child, &status, 0);
+    serverPid = 0;
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      std::cerr << "call_limits: the server failed\n";
+      return 1;
+    }
+    torchrpc::bench::printDistribution("call_limits: round trip", micros);
+    std::printf(
+        "{\"workload\": \"call_rtt_1elem_limit\", \"metric\": "
+        "\"median_rtt\", \"unit\": \"us\", \"value\": %.2f, \"better\": "
+        "\"lower\", \"socket\": \"shm\", \"reads\": \"polled\"}\n",
+        torchrpc::bench::median(micros));
+    return 0;
+  }
+
+  const auto [clientFd, serverFd] = connectedPair(socketName == "tcp");
   pid_t child = ::fork();
   if (child < 0) {
     die("fork");
@@ -326,7 +447,6 @@ int main(int argc, char** argv) {
   }
   serverPid = child;
   ::close(serverFd);
-  const std::string socketName = tcp ? "tcp" : "unix";
   if (pipelinedWorkload) {
     pipelined(clientFd, warmUp);
     const double seconds = pipelined(clientFd, calls);

@@ -1,18 +1,23 @@
 #!/usr/bin/python3
-"""bench/compare's "machine" figure (README "Benchmarks", bench/README.md).
+"""bench/compare's "machine" and "limit" figures (README "Benchmarks", bench/README.md).
 
   bench_compare_test.py REPO BUILD_DIR
 
-Runs compare on one quick workload (idle_cpu_cores) with a stand-in for the
-PyTorch side (TORCHRPC_BENCH_PYTHON: a script that prints a fixed line), so
+Runs compare on quick workloads with a stand-in for the PyTorch side
+(TORCHRPC_BENCH_PYTHON: a script that prints a fixed line per workload), so
 that the test needs neither PyTorch's RPC nor its minutes:
   1. with BUILD_DIR and --rounds 2: the line has "machine", the median of
      "machine_runs", two positive figures from bench/machine_speed, and no
      "machine_error";
   2. with a build directory that has torchrpc_bench but not machine_speed:
      "machine" is null and "machine_error" says why, and the run still
-     succeeds (the machine's speed never changes compare's exit status).
-Exits 0 when both hold, 1 otherwise.
+     succeeds (the machine's speed never changes compare's exit status);
+  3. call_rtt_1elem with BUILD_DIR: the line has "limit" and "limit_shm"
+     (bench/call_limits over a Unix socket and through shared memory), each
+     positive with its ratio to torchrpc's figure and no error;
+  4. the same with the build directory of step 2 (no call_limits): both
+     limits null, and "limit_error" and "limit_shm_error" say why.
+Exits 0 when all hold, 1 otherwise.
 """
 
 import json
@@ -22,13 +27,18 @@ import subprocess
 import sys
 import tempfile
 
-PYTORCH_LINE = ('{"workload": "idle_cpu_cores", "metric": "idle_cpu", "unit": "cores", '
-                '"value": 2.0, "better": "lower"}')
+# What the stand-in prints for each workload ($3 of its arguments).
+PYTORCH_LINES = {
+    "idle_cpu_cores": ('{"workload": "idle_cpu_cores", "metric": "idle_cpu", "unit": "cores", '
+                       '"value": 2.0, "better": "lower"}'),
+    "call_rtt_1elem": ('{"workload": "call_rtt_1elem", "metric": "median_rtt", "unit": "us", '
+                       '"value": 500.0, "better": "lower"}'),
+}
 
 
-def run_compare(repo, build_dir, stub, rounds):
+def run_compare(repo, build_dir, stub, rounds, workload="idle_cpu_cores"):
     cmd = [sys.executable, os.path.join(repo, "bench", "compare"), build_dir, "--quick",
-           "--workloads", "idle_cpu_cores", "--rounds", str(rounds), "--timeout", "120"]
+           "--workloads", workload, "--rounds", str(rounds), "--timeout", "120"]
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                        timeout=600, env=dict(os.environ, TORCHRPC_BENCH_PYTHON=stub))
     lines = [l for l in p.stdout.splitlines() if l.strip()]
@@ -48,7 +58,9 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         stub = os.path.join(tmp, "pytorch_stub")
         with open(stub, "w") as f:
-            f.write(f"#!/bin/sh\necho '{PYTORCH_LINE}'\n")
+            f.write("#!/bin/sh\ncase \"$3\" in\n"
+                    + "".join(f"  {w}) echo '{l}' ;;\n" for w, l in PYTORCH_LINES.items())
+                    + "  *) exit 1 ;;\nesac\n")
         os.chmod(stub, 0o755)
 
         line = run_compare(repo, build_dir, stub, rounds=2)
@@ -70,6 +82,25 @@ def main():
         check("machine" in line and line["machine"] is None, "machine is not null", line)
         check(line.get("machine_error") == "machine_speed not built",
               "machine_error does not say why", line)
+
+        # The round trip's limits, over a socket and through shared memory.
+        line = run_compare(repo, build_dir, stub, rounds=1, workload="call_rtt_1elem")
+        x = line.get("torchrpc")
+        check(isinstance(x, (int, float)) and x > 0, "the torchrpc side failed", line)
+        for key in ("limit", "limit_shm"):
+            w = line.get(key)
+            check(isinstance(w, (int, float)) and w > 0, f"{key} was not measured", line)
+            check(line.get(f"{key}_ratio") == x / w, f"{key}_ratio is not torchrpc / {key}",
+                  line)
+            check(f"{key}_error" not in line, f"{key}_error on a measured run", line)
+
+        # Without call_limits (the directory above has only torchrpc_bench).
+        line = run_compare(repo, os.path.join(tmp, "build"), stub, rounds=1,
+                           workload="call_rtt_1elem")
+        for key in ("limit", "limit_shm"):
+            check(key in line and line[key] is None, f"{key} is not null", line)
+            check(line.get(f"{key}_error") == "call_limits not built",
+                  f"{key}_error does not say why", line)
     print("PASS")
 
 
