@@ -27,8 +27,8 @@
 // shared page that both sides spin on: the round trip of the same
 // exchange without the kernel, what a same-host shared-memory path could
 // reach at best. Prints one JSON line like the other benchmarks. Exits 1
-// if an answer is wrong or a socket fails; the server child is killed by
-// pid however the client ends.
+// if an answer is wrong, a socket fails or the server dies; the server
+// child is killed by pid however the client ends.
 
 #include "bench/bench_support.h"
 
@@ -39,6 +39,7 @@
 #include <netinet/tcp.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -107,10 +108,12 @@ size_t readSome(int fd, std::vector<char>& buffer, size_t have) {
 }
 
 // The client's check of one reply, through a tensor as the benchmarks do.
-void checkReply(const char* bytes) {
+// The socket modes send 1 every time (the stream keeps replies in order);
+// the shared page varies its requests, so that a stale reply shows.
+void checkReply(const char* bytes, float expected = 2.0f) {
   at::Tensor reply = at::empty({1}, at::kFloat);
   std::memcpy(reply.data_ptr(), bytes, kValueBytes);
-  if (reply.item<float>() != 2.0f) {
+  if (reply.item<float>() != expected) {
     errno = 0;
     die("wrong answer " + std::to_string(reply.item<float>()));
   }
@@ -222,7 +225,10 @@ struct SharedExchange {
   // Set by the client when it is done: the server returns.
   alignas(64) std::atomic<bool> closed{false};
 };
-static_assert(std::atomic<uint32_t>::is_always_lock_free, "shared atomics");
+static_assert(
+    std::atomic<uint32_t>::is_always_lock_free &&
+        std::atomic<bool>::is_always_lock_free,
+    "atomics shared between processes must be lock-free");
 
 SharedExchange* mapSharedExchange() {
   void* page = ::mmap(
@@ -238,19 +244,15 @@ SharedExchange* mapSharedExchange() {
   return new (page) SharedExchange();
 }
 
-// serve() over the shared page, until the client closes it. A client that
-// died without closing it is noticed by the parent's change (the server
-// is its child), so the spin is bounded by the client's life.
+// serve() over the shared page, until the client closes it. The server is
+// killed when the client dies (PR_SET_PDEATHSIG, set by its caller), so
+// the spin is bounded by the client's life.
 void serveShared(SharedExchange& shared) {
-  const pid_t parent = ::getppid();
   uint32_t seen = 0;
-  for (uint64_t spins = 0;; ++spins) {
+  for (;;) {
     const uint32_t now = shared.requestSeq.load(std::memory_order_acquire);
     if (now == seen) {
       if (shared.closed.load(std::memory_order_acquire)) {
-        return;
-      }
-      if ((spins & 0xffff) == 0 && ::getppid() != parent) {
         return;
       }
       continue;
@@ -264,24 +266,41 @@ void serveShared(SharedExchange& shared) {
   }
 }
 
+// Fails (die) if the server child has exited: the client then stops
+// waiting for a reply, as the socket modes do at end of stream.
+void checkServerAlive() {
+  int status = 0;
+  if (::waitpid(serverPid, &status, WNOHANG) == serverPid) {
+    serverPid = 0; // reaped: nothing left to kill
+    errno = 0;
+    die("the server died");
+  }
+}
+
 // roundTrips() over the shared page; `first` is the first call's number.
+// Call n sends n % 1024, so that a reply to an earlier call would be wrong.
 std::vector<double> sharedRoundTrips(
     SharedExchange& shared,
     uint32_t first,
     int calls) {
-  const float one = 1.0f;
   std::vector<double> micros;
   micros.reserve(static_cast<size_t>(calls));
-  for (uint32_t seq = first; seq < first + static_cast<uint32_t>(calls);
-       ++seq) {
+  for (int i = 0; i < calls; ++i) {
+    const uint32_t seq = first + static_cast<uint32_t>(i);
+    const float value = static_cast<float>(seq % 1024);
     const auto start = std::chrono::steady_clock::now();
-    shared.request = one;
+    shared.request = value;
     shared.requestSeq.store(seq, std::memory_order_release);
-    while (shared.replySeq.load(std::memory_order_acquire) != seq) {
+    for (uint64_t spins = 1;
+         shared.replySeq.load(std::memory_order_acquire) != seq;
+         ++spins) {
+      if ((spins & 0xffff) == 0) {
+        checkServerAlive();
+      }
     }
     char bytes[kValueBytes];
     std::memcpy(bytes, &shared.reply, kValueBytes);
-    checkReply(bytes);
+    checkReply(bytes, value + 1.0f);
     micros.push_back(std::chrono::duration<double, std::micro>(
                          std::chrono::steady_clock::now() - start)
                          .count());
@@ -406,11 +425,17 @@ int main(int argc, char** argv) {
 
   if (shared) {
     SharedExchange* exchange = mapSharedExchange();
+    const pid_t client = ::getpid();
     pid_t child = ::fork();
     if (child < 0) {
       die("fork");
     }
     if (child == 0) {
+      // Never outlive the client, however it ends.
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != client) {
+        ::_exit(1);
+      }
       serveShared(*exchange);
       ::_exit(0);
     }

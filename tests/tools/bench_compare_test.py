@@ -12,9 +12,10 @@ that the test needs neither PyTorch's RPC nor its minutes:
   2. with a build directory that has torchrpc_bench but not machine_speed:
      "machine" is null and "machine_error" says why, and the run still
      succeeds (the machine's speed never changes compare's exit status);
-  3. call_rtt_1elem with BUILD_DIR: the line has "limit" and "limit_shm"
-     (bench/call_limits over a Unix socket and through shared memory), each
-     positive with its ratio to torchrpc's figure and no error;
+  3. call_rtt_1elem with BUILD_DIR and --rounds 2: the line has "limit" and
+     "limit_shm" (bench/call_limits over a Unix socket, and through shared
+     memory: its log shows the --socket shm runs), each the median of its
+     two positive runs, with its ratio to torchrpc's figure and no error;
   4. the same with the build directory of step 2 (no call_limits): both
      limits null, and "limit_error" and "limit_shm_error" say why.
 Exits 0 when all hold, 1 otherwise.
@@ -45,7 +46,7 @@ def run_compare(repo, build_dir, stub, rounds, workload="idle_cpu_cores"):
     if p.returncode != 0 or len(lines) != 1:
         sys.exit(f"FAIL: compare exited {p.returncode} with {len(lines)} lines\n"
                  f"stdout:\n{p.stdout}\nstderr tail:\n{p.stderr[-2000:]}")
-    return json.loads(lines[0])
+    return json.loads(lines[0]), p.stderr
 
 
 def check(condition, what, line):
@@ -63,7 +64,7 @@ def main():
                     + "  *) exit 1 ;;\nesac\n")
         os.chmod(stub, 0o755)
 
-        line = run_compare(repo, build_dir, stub, rounds=2)
+        line, _ = run_compare(repo, build_dir, stub, rounds=2)
         check(line.get("pytorch") == 2.0, "the stand-in PyTorch side was not used", line)
         runs = line.get("machine_runs")
         check(isinstance(runs, list) and len(runs) == 2, "machine_runs is not two rounds", line)
@@ -77,26 +78,32 @@ def main():
         os.makedirs(os.path.join(tmp, "build", "bench"))
         os.symlink(os.path.join(build_dir, "bench", "torchrpc_bench"),
                    os.path.join(tmp, "build", "bench", "torchrpc_bench"))
-        line = run_compare(repo, os.path.join(tmp, "build"), stub, rounds=1)
+        line, _ = run_compare(repo, os.path.join(tmp, "build"), stub, rounds=1)
         check(line.get("torchrpc") is not None, "the torchrpc side failed", line)
         check("machine" in line and line["machine"] is None, "machine is not null", line)
         check(line.get("machine_error") == "machine_speed not built",
               "machine_error does not say why", line)
 
         # The round trip's limits, over a socket and through shared memory.
-        line = run_compare(repo, build_dir, stub, rounds=1, workload="call_rtt_1elem")
+        line, log = run_compare(repo, build_dir, stub, rounds=2, workload="call_rtt_1elem")
         x = line.get("torchrpc")
         check(isinstance(x, (int, float)) and x > 0, "the torchrpc side failed", line)
+        check(log.count("call_limits --workload call_rtt_1elem --socket shm --quick -> rc=0") == 2,
+              "the log does not show two shared-memory limit runs", line)
         for key in ("limit", "limit_shm"):
             w = line.get(key)
-            check(isinstance(w, (int, float)) and w > 0, f"{key} was not measured", line)
+            runs = line.get(f"{key}_runs")
+            check(isinstance(runs, list) and len(runs) == 2
+                  and all(isinstance(v, (int, float)) and v > 0 for v in runs),
+                  f"{key}_runs is not two measured rounds", line)
+            check(w == statistics.median(runs), f"{key} is not the median of its runs", line)
             check(line.get(f"{key}_ratio") == x / w, f"{key}_ratio is not torchrpc / {key}",
                   line)
             check(f"{key}_error" not in line, f"{key}_error on a measured run", line)
 
         # Without call_limits (the directory above has only torchrpc_bench).
-        line = run_compare(repo, os.path.join(tmp, "build"), stub, rounds=1,
-                           workload="call_rtt_1elem")
+        line, _ = run_compare(repo, os.path.join(tmp, "build"), stub, rounds=1,
+                              workload="call_rtt_1elem")
         for key in ("limit", "limit_shm"):
             check(key in line and line[key] is None, f"{key} is not null", line)
             check(line.get(f"{key}_error") == "call_limits not built",
