@@ -296,7 +296,7 @@ void ContextContainer::onSend(
     const rpc::HookContext& hookContext,
     const std::vector<at::Tensor>& tensors,
     std::string* metadata) {
-  if (isBackwardPassKind(hookContext.kind)) {
+  if (belongsToNoForward(hookContext.kind)) {
     return; // they belong to no forward
   }
   int64_t contextId = -1;

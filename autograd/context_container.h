@@ -53,6 +53,9 @@ class DistEngine;
 //  R4. Releasing a context (the guard ends) removes it here at once and
 //      sends kReleaseContext to every worker this one exchanged messages
 //      with in it; each does the same for its own peers before answering.
+//      A release names its context in its body and belongs to no context
+//      (autograd::belongsToNoForward), also when it is sent from a thread
+//      still inside the context, as after a pass that failed here alone.
 //      The guard does not wait for the answers (a training loop would pay a
 //      round trip per iteration for nothing); waitForReleases() does, and
 //      graceful shutdown waits for them as for every call in flight. A

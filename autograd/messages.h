@@ -27,19 +27,28 @@ constexpr uint32_t kBackwardOnOwnerKind = 37;
 // autograd/graph_dump.h).
 constexpr uint32_t kGraphDumpKind = 38;
 
-// Whether `kind` is a running pass's own traffic, which belongs to no
-// context's forward: it records no send/recv functions (gradients crossing
-// workers are not a forward), and carries no context metadata.
+// Whether messages of `kind` belong to no context's forward: they record
+// no send/recv functions and carry no context metadata, whatever context
+// the sending thread is in. A running pass's own traffic is such (gradients
+// crossing workers are not a forward), and so are two kinds that name
+// their context in their body:
+//
+// - kReleaseContextKind: its context is already released where it is sent,
+//   often from a thread still inside it (a pass that failed on this worker
+//   alone is released on the thread that ran it). Recording it there would
+//   join the released context, which is refused, and the release would
+//   never reach the peers.
+// - kGraphDumpKind: looking at a context's graph must not make the workers
+//   asked join it.
 //
 // kBackwardOnOwnerKind is not one, on purpose: it is a request the program
 // makes in its context, as a call is. Like a call it carries the context
 // id (R1), so the owner, which joins the context to drive the pass there,
 // becomes a peer of the sender and is told to release the context (R4)
 // even when no forward message ever reached it.
-constexpr bool isBackwardPassKind(uint32_t kind) {
+constexpr bool belongsToNoForward(uint32_t kind) {
   switch (kind) {
-    // Not a pass's, but no forward's either: looking at a context's graph
-    // must not make the workers asked join it.
+    case kReleaseContextKind:
     case kGraphDumpKind:
     case kDiscoverKind:
     case kGradientsKind:

@@ -445,7 +445,7 @@ TEST_P(DistributedBackward, BackwardStartedThroughAnRRefOnItsOwner) {
   cluster_->expectNothingLeft();
 }
 
-// kBackwardOnOwner carries its context (autograd::isBackwardPassKind says
+// kBackwardOnOwner carries its context (autograd::belongsToNoForward says
 // why): here it is the only message of the context that reaches the owner,
 // which must still hear of the release.
 TEST_P(
@@ -610,6 +610,34 @@ TEST_P(DistributedBackward, ANodeThatThrowsFailsThePassWithTheRemoteCause) {
         "worker1",
         {"exploding backward, on purpose", "autograd.backward"});
     // The failed pass released the context on every worker.
+    EXPECT_TRUE(cluster_->waitForNoContexts(std::chrono::seconds(5)));
+  }
+  cluster_->expectNothingLeft();
+}
+
+// A pass that fails on this worker alone has nobody to abort, so its
+// release runs at once on the thread that ran the pass, which is still in
+// the context: the release must still reach the workers the forward did.
+TEST_P(DistributedBackward, APassThatFailsLocallyReleasesTheContextOnItsPeers) {
+  {
+    autograd::Context context(rt(0));
+    auto x = zoo::input() * net(0).param("w");
+    // Worker1 joins the context, but the failing loss does not reach it.
+    net(0).run(1, "mul_w", {x});
+    auto loss = zoo::ExplodingBackward::apply(x).sum();
+    EXPECT_THROW(
+        {
+          try {
+            context.backward({loss});
+          } catch (const std::exception& e) {
+            EXPECT_NE(
+                std::string(e.what()).find("exploding backward, on purpose"),
+                std::string::npos)
+                << e.what();
+            throw;
+          }
+        },
+        std::exception);
     EXPECT_TRUE(cluster_->waitForNoContexts(std::chrono::seconds(5)));
   }
   cluster_->expectNothingLeft();
