@@ -349,10 +349,9 @@ std::pair<int, int> connectedPair(bool tcp) {
   return {client, server};
 }
 
-// Closes the client's socket, which ends the server, and reaps it; false
-// (having said so) if the server failed.
-bool endServer(int clientFd, pid_t child) {
-  ::close(clientFd);
+// Reaps the server child once the client is done with it; false (having
+// said so) if the server failed.
+bool reapServer(pid_t child) {
   int status = 0;
   ::waitpid(child, &status, 0);
   serverPid = 0;
@@ -361,6 +360,26 @@ bool endServer(int clientFd, pid_t child) {
     return false;
   }
   return true;
+}
+
+// Closes the client's socket, which ends the server, and reaps it.
+bool endServer(int clientFd, pid_t child) {
+  ::close(clientFd);
+  return reapServer(child);
+}
+
+// The round trip's distribution (stderr) and JSON line (stdout).
+void reportRoundTrips(
+    const std::vector<double>& micros,
+    const std::string& socketName) {
+  torchrpc::bench::printDistribution("call_limits: round trip", micros);
+  std::printf(
+      "{\"workload\": \"call_rtt_1elem_limit\", \"metric\": \"median_rtt\", "
+      "\"unit\": \"us\", \"value\": %.2f, \"better\": \"lower\", \"socket\": "
+      "\"%s\", \"reads\": \"%s\"}\n",
+      torchrpc::bench::median(micros),
+      socketName.c_str(),
+      pollReads ? "polled" : "blocking");
 }
 
 [[noreturn]] void usage() {
@@ -444,19 +463,10 @@ int main(int argc, char** argv) {
     std::vector<double> micros =
         sharedRoundTrips(*exchange, 1 + static_cast<uint32_t>(warmUp), calls);
     exchange->closed.store(true, std::memory_order_release);
-    int status = 0;
-    ::waitpid(child, &status, 0);
-    serverPid = 0;
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-      std::cerr << "call_limits: the server failed\n";
+    if (!reapServer(child)) {
       return 1;
     }
-    torchrpc::bench::printDistribution("call_limits: round trip", micros);
-    std::printf(
-        "{\"workload\": \"call_rtt_1elem_limit\", \"metric\": "
-        "\"median_rtt\", \"unit\": \"us\", \"value\": %.2f, \"better\": "
-        "\"lower\", \"socket\": \"shm\", \"reads\": \"polled\"}\n",
-        torchrpc::bench::median(micros));
+    reportRoundTrips(micros, socketName);
     return 0;
   }
 
@@ -491,13 +501,6 @@ int main(int argc, char** argv) {
   if (!endServer(clientFd, child)) {
     return 1;
   }
-  torchrpc::bench::printDistribution("call_limits: round trip", micros);
-  std::printf(
-      "{\"workload\": \"call_rtt_1elem_limit\", \"metric\": \"median_rtt\", "
-      "\"unit\": \"us\", \"value\": %.2f, \"better\": \"lower\", \"socket\": "
-      "\"%s\", \"reads\": \"%s\"}\n",
-      torchrpc::bench::median(micros),
-      socketName.c_str(),
-      pollReads ? "polled" : "blocking");
+  reportRoundTrips(micros, socketName);
   return 0;
 }
