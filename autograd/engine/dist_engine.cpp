@@ -6,6 +6,8 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
 #include <set>
 #include <sstream>
 
@@ -35,15 +37,49 @@ constexpr int kIdShift = 48;
 // How long the driver waits for answers to kAbort after a failure.
 constexpr std::chrono::milliseconds kAbortTimeout{5000};
 
-// c10::collectAll: completes with the first error as soon as it comes, or,
-// once all succeeded, with the list of `futures` (completed).
+// Completes with the first error as soon as it comes, or, once all
+// succeeded, with the list of `futures` (completed): c10::collectAll's
+// contract. Not c10::collectAll itself, because it hands every later error
+// to setErrorIfNeeded, which logs each one with the first at INFO; a
+// failed pass usually fails several of its parts with the same cause (the
+// remote node's error, then the local pass aborted by it), and that would
+// print the cause again on the user's stderr on every failed backward.
 FuturePtr firstErrorOrAll(const std::vector<FuturePtr>& futures) {
-  c10::List<FuturePtr> list(c10::FutureType::create(c10::AnyType::get()));
-  list.reserve(futures.size());
-  for (const auto& future : futures) {
-    list.push_back(future);
+  struct State {
+    explicit State(const std::vector<FuturePtr>& futures)
+        : remaining(futures.size()),
+          list(c10::FutureType::create(c10::AnyType::get())) {
+      list.reserve(futures.size());
+      for (const auto& future : futures) {
+        list.push_back(future);
+      }
+    }
+    std::atomic<size_t> remaining;
+    std::atomic<bool> settled{false};
+    c10::List<FuturePtr> list;
+    FuturePtr all =
+        c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+  };
+  auto state = std::make_shared<State>(futures);
+  if (futures.empty()) {
+    state->all->markCompleted(state->list);
+    return state->all;
   }
-  return c10::collectAll(std::move(list));
+  for (const auto& future : futures) {
+    future->addCallback([state](c10::ivalue::Future& done) {
+      if (done.hasError()) {
+        if (!state->settled.exchange(true)) {
+          state->all->setError(done.exception_ptr());
+        }
+        return;
+      }
+      if (state->remaining.fetch_sub(1) == 1 &&
+          !state->settled.exchange(true)) {
+        state->all->markCompleted(state->list);
+      }
+    });
+  }
+  return state->all;
 }
 
 std::string describePass(int64_t contextId, int64_t passId) {

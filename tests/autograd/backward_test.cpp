@@ -615,6 +615,30 @@ TEST_P(DistributedBackward, ANodeThatThrowsFailsThePassWithTheRemoteCause) {
   cluster_->expectNothingLeft();
 }
 
+// A failed pass fails several of its parts with one cause: the remote
+// node's error, then the local pass that it aborts. The cause reaches the
+// caller in the error, and is not printed again on stderr (libtorch's
+// c10::collectAll logs each later error at INFO, with the first).
+TEST_P(DistributedBackward, AFailedPassReportsItsCauseOnlyInItsError) {
+  ::testing::internal::CaptureStderr();
+  {
+    autograd::Context context(rt(0));
+    auto x = zoo::input() * net(0).param("w");
+    auto y = net(0).run(1, "explode", {x}).at(0);
+    auto z = net(0).run(2, "mul_w", {x}).at(0);
+    expectRpcErrorFrom(
+        [&]() { context.backward({(y + z).sum() + x.sum()}); },
+        rpc::ErrorCode::kRemoteException,
+        "worker1",
+        {"exploding backward, on purpose"});
+    EXPECT_TRUE(cluster_->waitForNoContexts(std::chrono::seconds(5)));
+  }
+  std::string printed = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(printed.find("exploding backward, on purpose"), std::string::npos)
+      << printed;
+  cluster_->expectNothingLeft();
+}
+
 // A pass that fails on this worker alone has nobody to abort, so its
 // release runs at once on the thread that ran the pass, which is still in
 // the context: the release must still reach the workers the forward did.
