@@ -3,6 +3,7 @@
 // gradient is compared with plain libtorch autograd on the same program.
 
 #include <ATen/ATen.h>
+#include <c10/util/Logging.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -620,7 +621,25 @@ TEST_P(DistributedBackward, ANodeThatThrowsFailsThePassWithTheRemoteCause) {
 // caller in the error, and is not printed again on stderr (libtorch's
 // c10::collectAll logs each later error at INFO, with the first).
 TEST_P(DistributedBackward, AFailedPassReportsItsCauseOnlyInItsError) {
-  ::testing::internal::CaptureStderr();
+  // Ends the capture however the test ends: gtest aborts on a second one.
+  struct StderrCapture {
+    StderrCapture() {
+      ::testing::internal::CaptureStderr();
+    }
+    ~StderrCapture() {
+      if (!taken) {
+        ::testing::internal::GetCapturedStderr();
+      }
+    }
+    std::string take() {
+      taken = true;
+      return ::testing::internal::GetCapturedStderr();
+    }
+    bool taken = false;
+  } capture;
+  // The line would come through glog at INFO; without INFO on stderr
+  // (GLOG_minloglevel, GLOG_log_dir) there is nothing to check.
+  LOG(INFO) << "info lines reach the capture";
   {
     autograd::Context context(rt(0));
     auto x = zoo::input() * net(0).param("w");
@@ -633,10 +652,13 @@ TEST_P(DistributedBackward, AFailedPassReportsItsCauseOnlyInItsError) {
         {"exploding backward, on purpose"});
     EXPECT_TRUE(cluster_->waitForNoContexts(std::chrono::seconds(5)));
   }
-  std::string printed = ::testing::internal::GetCapturedStderr();
+  std::string printed = capture.take();
+  cluster_->expectNothingLeft();
+  if (printed.find("info lines reach the capture") == std::string::npos) {
+    GTEST_SKIP() << "glog does not print INFO lines on stderr here";
+  }
   EXPECT_EQ(printed.find("exploding backward, on purpose"), std::string::npos)
       << printed;
-  cluster_->expectNothingLeft();
 }
 
 // A pass that fails on this worker alone has nobody to abort, so its
