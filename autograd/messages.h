@@ -34,9 +34,9 @@ constexpr uint32_t kGraphDumpKind = 38;
 // their context in their body:
 //
 // - kReleaseContextKind: its context is already released where it is sent,
-//   often from a thread still inside it (a pass that failed on this worker
-//   alone is released on the thread that ran it). Recording it there would
-//   join the released context, which is refused, and the release would
+//   sometimes from a thread still inside it (a pass that failed on this
+//   worker alone is released on the thread that ran it). Recording it there
+//   would join the released context, which is refused, and the release would
 //   never reach the peers.
 // - kGraphDumpKind: looking at a context's graph must not make the workers
 //   asked join it.

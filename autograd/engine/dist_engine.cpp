@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/List.h>
+#include <c10/core/thread_pool.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -16,6 +17,7 @@
 #include "torchrpc/autograd/messages.h"
 #include "torchrpc/rpc/errors.h"
 #include "torchrpc/rpc/future.h"
+#include "torchrpc/rpc/request_scope.h"
 #include "torchrpc/rpc/tracing.h"
 #include "torchrpc/rref/rref.h"
 
@@ -137,10 +139,16 @@ void DistEngine::registerWithAgent() {
       kDiscoverKind,
       "autograd.discover",
       bind(&DistEngine::onDiscover));
+  // Taking gradients is quick and never waits, and their sender waits for
+  // the answer (E3): it is given on the thread that reads them, and what
+  // they make ready runs on the pool (onGradients).
   agent_.registerHandler(
       kGradientsKind,
       "autograd.gradients",
-      bind(&DistEngine::onGradients));
+      bind(&DistEngine::onGradients),
+      rpc::RequestLabel::kHandlerName,
+      rpc::Cancellation::kRunAnyway,
+      rpc::Dispatch::kInline);
   agent_.registerHandler(
       kAwaitKind,
       "autograd.await",
@@ -864,11 +872,36 @@ FuturePtr DistEngine::onGradients(rpc::Request&& request) {
         "flow_in",
         gradientFlowId(contextId, passId, message.message_id()));
   }
+  bool readyToRun = false;
   try {
-    pass->deliver(message.message_id(), std::move(grads));
+    readyToRun = pass->accept(message.message_id(), std::move(grads));
   } catch (...) {
-    pass->fail(std::current_exception());
+    // Failing the pass completes its future, whose callbacks run where it
+    // completes: on the pool, not on the transport's thread.
+    auto error = std::current_exception();
+    agent_.threadPool().run([pass, error]() { pass->fail(error); });
     throw;
+  }
+  if (readyToRun) {
+    // The answer says the gradients were taken (E3), and their sender's
+    // part of the pass waits for it. So it leaves now, and what they make
+    // ready runs on the pool: run here, the answer would leave only after
+    // this worker's whole part, after the kAwait's, one more message at the
+    // end of every pass. A node's failure fails the pass (the kAwait's
+    // answer), as when the pass runs on any other thread. It runs as if
+    // in this handler: in its request's scope, traced if the request is
+    // (Note [Tracing]).
+    agent_.threadPool().run([pass,
+                             scope = rpc::currentRequestScope(),
+                             marked = rpc::Tracer::threadMarked()]() {
+      rpc::RequestScopeGuard inScope(scope);
+      rpc::Tracer::ThreadMark mark(marked);
+      try {
+        pass->drain();
+      } catch (...) {
+        pass->fail(std::current_exception());
+      }
+    });
   }
   return readyFuture();
 }

@@ -257,6 +257,12 @@ void LocalBackward::start() {
 }
 
 void LocalBackward::deliver(int64_t messageId, variable_list grads) {
+  if (accept(messageId, std::move(grads))) {
+    drain();
+  }
+}
+
+bool LocalBackward::accept(int64_t messageId, variable_list grads) {
   auto refuse = [&](const std::string& why) {
     throw rpc::RpcError(
         rpc::ErrorCode::kBadArguments,
@@ -271,7 +277,7 @@ void LocalBackward::deliver(int64_t messageId, variable_list grads) {
     std::lock_guard<std::mutex> guard(mutex_);
     if (holding_) {
       held_.emplace_back(messageId, std::move(grads));
-      return;
+      return false;
     }
     auto it = marked_.find(messageId);
     if (it == marked_.end()) {
@@ -311,11 +317,11 @@ void LocalBackward::deliver(int64_t messageId, variable_list grads) {
     state.dependencies = 0;
     --waitingEntries_;
     if (error_) {
-      return;
+      return false;
     }
     ready_.push_back(ReadyNode{state.node, std::move(state.inputs)});
   }
-  drain();
+  return true;
 }
 
 void LocalBackward::routeLocked(const Edge& edge, at::Tensor grad) {

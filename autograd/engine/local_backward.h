@@ -105,9 +105,15 @@ class LocalBackward {
   void start();
   // E2: the gradients for a marked send, from its receiver. Throws
   // rpc::RpcError (kBadArguments) for an unmarked or already served send or
-  // gradients that do not match what was sent; otherwise runs what becomes
-  // ready.
+  // gradients that do not match what was sent; otherwise takes them and
+  // returns whether something became ready to run, which drain() runs
+  // (deliver() does both on the calling thread).
+  bool accept(int64_t messageId, torch::autograd::variable_list grads);
   void deliver(int64_t messageId, torch::autograd::variable_list grads);
+  // Runs what is ready, and what that makes ready, on the calling thread;
+  // returns at once if another thread is doing so (it takes what was
+  // queued). Completes the pass when nothing is left.
+  void drain();
   // A gradient message this worker sent was answered (ok or not).
   void addUnacknowledged();
   void acknowledged();
@@ -145,7 +151,6 @@ class LocalBackward {
   // Adds `grad` to the input `edge` names and queues the node (or hands a
   // sink over) when it has all it waits for. Requires mutex_.
   void routeLocked(const torch::autograd::Edge& edge, at::Tensor grad);
-  void drain();
   void maybeCompleteLocked(std::unique_lock<std::mutex>& lock);
   torch::autograd::variable_list runNode(
       torch::autograd::Node& node,

@@ -8,6 +8,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
+#include <future>
 #include <memory>
 #include <random>
 #include <string>
@@ -16,6 +18,8 @@
 
 #include "proto/autograd/autograd.pb.h"
 #include "tests/support/autograd_zoo.h"
+#include "tests/support/eventually.h"
+#include "tests/support/gate.h"
 #include "tests/support/local_cluster.h"
 #include "tests/support/zoo_workers.h"
 #include "torchrpc/autograd/backward.h"
@@ -44,13 +48,16 @@ class ZooCluster {
     std::atomic<int> await{0};
   };
 
-  ZooCluster(rpc::TransportKind transport, int worldSize)
+  ZooCluster(
+      rpc::TransportKind transport,
+      int worldSize,
+      std::function<void(int, rpc::Options&)> configure = nullptr)
       : nets_(worldSize),
         sent_(makeSent(worldSize)),
         cluster_(
             transport,
             worldSize,
-            nullptr,
+            std::move(configure),
             [this](int rank, rpc::Runtime& rt) {
               rref::RRefContext::install(rt);
               ContextContainer::install(rt);
@@ -134,18 +141,20 @@ class ZooCluster {
   rpc::InProcessNetwork& network() {
     return *cluster_.network();
   }
-  // In-process transport only: what happens to every kAwait request.
-  void actOnAwaits(rpc::FaultAction action) {
-    network().setFaultInjector([action](
+  // In-process transport only: what happens to every request of `kind`.
+  void actOnRequests(uint32_t kind, rpc::FaultAction action) {
+    network().setFaultInjector([kind, action](
                                    const std::string&,
                                    const std::string&,
                                    const rpc::Message& m) {
       auto summary = rpc::summarizeMessage(m);
-      return summary && !summary->isResponse &&
-              summary->kind == autograd::kAwaitKind
+      return summary && !summary->isResponse && summary->kind == kind
           ? action
           : rpc::FaultAction::deliver();
     });
+  }
+  void actOnAwaits(rpc::FaultAction action) {
+    actOnRequests(autograd::kAwaitKind, action);
   }
 
  private:
@@ -323,6 +332,74 @@ TEST_P(DistributedBackward, GradientsBeforeTheAwaitWaitForIt) {
   cluster_->network().setFaultInjector(nullptr);
   EXPECT_EQ(cluster_->sent(0).discover.load(), 0);
   cluster_->expectNothingLeft();
+}
+
+TEST_P(DistributedBackward, GradientsAreAnsweredBeforeTheyRun) {
+  if (GetParam() == rpc::TransportKind::kInProcess) {
+    // The gradients reach the server after the kAwait, as they usually do
+    // (the driver sends the kAwait first), here surely.
+    cluster_->actOnRequests(
+        autograd::kGradientsKind,
+        rpc::FaultAction::delayOutOfOrder(std::chrono::milliseconds(50)));
+  }
+  // The server's part of the pass stops in its leaf's hook until the test
+  // lets it go on.
+  auto gate = std::make_shared<Gate>();
+  OpenOnExit opener(*gate);
+  net(1).param("w").register_hook([gate](const at::Tensor& grad) {
+    gate->pass();
+    return grad;
+  });
+  auto x = zoo::input();
+  {
+    autograd::Context context(rt(0));
+    auto loss = trainerStep(net(0), x);
+    auto pass =
+        std::async(std::launch::async, [&]() { context.backward({loss}); });
+    ASSERT_TRUE(gate->waitForWaiting(1));
+    // While the server runs its part, the trainer waits for the kAwait's
+    // answer only: the gradients' reply came when they were taken, not
+    // after everything they made ready ran (it would then be one more
+    // message at the end of every pass).
+    EXPECT_TRUE(eventually(
+        [&]() { return rt(0).agent().counters().pendingCalls == 1; },
+        std::chrono::seconds(5)))
+        << rt(0).hangReport();
+    gate->open();
+    pass.get();
+    expectTrainerGradients(net(0), net(1), context.id(), x);
+  }
+  if (GetParam() == rpc::TransportKind::kInProcess) {
+    cluster_->network().setFaultInjector(nullptr);
+  }
+  cluster_->expectNothingLeft();
+}
+
+// The pass's deadline bounds it, not the calls' timeout: a server whose
+// part runs longer than that still answers the gradients it took.
+TEST(DistributedBackwardTimeouts, APartLongerThanTheCallTimeoutEndsWell) {
+  for (auto transport :
+       {rpc::TransportKind::kInProcess, rpc::TransportKind::kTcp}) {
+    SCOPED_TRACE(transportName(transport));
+    ZooCluster cluster(transport, 2, [](int, rpc::Options& options) {
+      options.defaultTimeout = std::chrono::milliseconds(300);
+    });
+    cluster.net(1).param("w").register_hook([](const at::Tensor& grad) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(900));
+      return grad;
+    });
+    auto x = zoo::input();
+    {
+      autograd::Context context(cluster.rt(0));
+      auto loss = trainerStep(cluster.net(0), x);
+      autograd::BackwardOptions options;
+      options.deadline = std::chrono::seconds(20);
+      context.backward({loss}, options);
+      expectTrainerGradients(cluster.net(0), cluster.net(1), context.id(), x);
+    }
+    cluster.expectNothingLeft();
+    EXPECT_TRUE(cluster.shutdown());
+  }
 }
 
 TEST_P(DistributedBackward, AnAwaitThatNeverComesEndsInTheDeadline) {
