@@ -392,10 +392,32 @@ void LocalBackward::drain() {
       auto recvs = std::move(readyRecvs_);
       readyRecvs_.clear();
       lock.unlock();
+      // A recv whose gradients cannot be sent fails the pass, as a node
+      // that throws does; thrown on, it would leave the pass draining and
+      // unable to complete until its deadline.
+      std::exception_ptr error;
       for (auto& entry : recvs) {
-        recvReady_(entry.first, std::move(entry.second));
+        try {
+          recvReady_(entry.first, std::move(entry.second));
+        } catch (const std::exception& e) {
+          error = rpc::makeRpcError(
+              rpc::ErrorCode::kInternal,
+              workerName_,
+              "autograd.backward",
+              0,
+              "sending the gradients of recv #" +
+                  std::to_string(entry.first->messageId()) +
+                  " failed: " + rpc::describeException(e));
+          break;
+        }
       }
       lock.lock();
+      if (error) {
+        if (!error_) {
+          error_ = error;
+        }
+        break;
+      }
       continue;
     }
     ReadyNode task = std::move(ready_.front());

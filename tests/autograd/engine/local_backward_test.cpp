@@ -55,6 +55,9 @@ class Pass {
         "worker0",
         retainGraph,
         [this](const std::shared_ptr<RecvFunction>& recv, variable_list grads) {
+          if (!recvFails.empty()) {
+            throw std::runtime_error(recvFails);
+          }
           recvs.emplace_back(recv->messageId(), std::move(grads));
         },
         [this](std::vector<std::pair<at::Tensor, at::Tensor>> gradients) {
@@ -102,6 +105,8 @@ class Pass {
   }
 
   std::vector<std::pair<int64_t, variable_list>> recvs;
+  // When set, sending a recv's gradients throws this.
+  std::string recvFails;
   std::vector<std::pair<at::Tensor, at::Tensor>> leaves;
   int leavesCalls = 0;
 
@@ -256,6 +261,20 @@ TEST(LocalBackward, ARecvGetsItsGradientsThroughTheCallback) {
   // d loss / d received = x + 1: two gradients summed at the recv.
   expectExactly(pass.recvs[0].second[0], x.detach() + 1);
   expectExactly(pass.gradientOf(x), value.detach());
+}
+
+TEST(LocalBackward, GradientsThatCannotBeSentFailThePass) {
+  auto x = leaf({3}, 7);
+  auto t = received(leaf({3}, 8), kContextId, /*messageId=*/42, /*from=*/1);
+  auto loss = (t * x).sum();
+  Pass pass;
+  pass.recvFails = "no way to worker1";
+  pass.runFrom({loss}, {at::ones_like(loss)});
+  std::string what;
+  EXPECT_EQ(failureOf(pass, &what), rpc::ErrorCode::kInternal);
+  EXPECT_NE(what.find("recv #42"), std::string::npos) << what;
+  EXPECT_NE(what.find("no way to worker1"), std::string::npos) << what;
+  EXPECT_EQ(pass.leavesCalls, 0) << "a failed pass leaves no gradients";
 }
 
 TEST(LocalBackward, UnansweredGradientMessagesHoldThePassOpen) {
