@@ -159,18 +159,19 @@ struct ServedRequest {
 // [Replies completed where they are read] in rpc/future.h).
 // Cancel messages are handled on the transport thread too (Note [Cancelled
 // requests]), and so are requests of kinds registered with
-// Dispatch::kInline (hang reports), which must be answered even while every
-// pool thread is blocked. A kind's RunsInline predicate picks more requests
-// to run there: calls of functions registered cheap (FunctionOptions) and
-// of builtin operators on small tensors. Each saves a hand-off to the pool
-// (a thread wake-up, or on a machine with few cores one more thread
-// competing for them) at the price of the connection's next messages
-// waiting for the handler; a request that arrives before the agent knows
-// the job's workers goes to the pool all the same. A handler run there
-// must not wait: the answer may have to come through the thread it would
-// block. So Future::wait() on an incomplete future fails at once on such a
-// thread (detail::InlineHandlerScope), and the caller learns why.
-// "Transport thread" includes a caller's own: over TCP, a thread waiting
+// Dispatch::kInline: hang reports and graph dumps, which must be answered
+// even while every pool thread is blocked, and autograd's gradients, whose
+// sender waits for the answer while the pass they start runs on the pool. A
+// kind's RunsInline predicate picks more requests to run there: calls of
+// functions registered cheap (FunctionOptions) and of builtin operators on
+// small tensors. Each saves a hand-off to the pool (a thread wake-up, or on a
+// machine with few cores one more thread competing for them) at the price of
+// the connection's next messages waiting for the handler; a request that
+// arrives before the agent knows the job's workers goes to the pool all the
+// same. A handler run there must not wait: the answer may have to come through
+// the thread it would block. So Future::wait() on an incomplete future fails at
+// once on such a thread (detail::InlineHandlerScope), and the caller learns
+// why. "Transport thread" includes a caller's own: over TCP, a thread waiting
 // for its reply runs the transport's loop itself, so the response to its
 // rpcSync is decoded and completed on the thread that waits for it, and
 // requests that arrive meanwhile are read there too (Note [Waiting callers

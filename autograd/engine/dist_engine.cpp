@@ -139,9 +139,11 @@ void DistEngine::registerWithAgent() {
       kDiscoverKind,
       "autograd.discover",
       bind(&DistEngine::onDiscover));
-  // Taking gradients is quick and never waits, and their sender waits for
-  // the answer (E3): it is given on the thread that reads them, and what
-  // they make ready runs on the pool (onGradients).
+  // Taking gradients is checks and moves, under locks that are held for
+  // local work only, never while a message is awaited; and their sender
+  // waits for the answer (E3). So they are taken and answered on the
+  // thread that reads them, and what they make ready runs on the pool
+  // (onGradients).
   agent_.registerHandler(
       kGradientsKind,
       "autograd.gradients",

@@ -35,10 +35,10 @@ namespace detail {
 // autograd/engine/dist_engine.h; this class implements its steps D2 and E1-E4
 // on one worker.
 //
-// Thread-safe. Nodes run on the thread that made them ready, one at a time
-// per pass (a thread that finds another one running the pass leaves its
-// work queued for it); no lock is held while a node, a hook or a callback
-// runs.
+// Thread-safe. Nodes run on the thread that calls start(), deliver(),
+// arm() or drain(), one at a time per pass (a thread that finds another
+// one running the pass leaves its work queued for it); accept() only
+// queues. No lock is held while a node, a hook or a callback runs.
 class LocalBackward {
  public:
   // Called once per reached RecvFunction, when its gradients are complete
