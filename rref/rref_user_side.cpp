@@ -155,7 +155,11 @@ c10::intrusive_ptr<RRefHandle> RRefContext::makeOwned(
 namespace {
 
 // Keeps `handle` (and so its fork) alive until `future` completes: a
-// deletion must not overtake a message that names the fork.
+// deletion must not overtake a message that names the fork. For a use, that
+// is its request's answer, not the use's result: the result can fail first
+// with the creation's error (preferCreationError), and a kDeleteFork sent
+// then could overtake the request, which would make the owner a record no
+// one deletes (R6). Until the creation is answered R4 keeps the fork anyway.
 FuturePtr keepAliveUntilDone(
     FuturePtr future,
     c10::intrusive_ptr<RRefHandle> handle) {
@@ -262,17 +266,17 @@ FuturePtr RRefContext::toHere(
   }
   wire::FetchRequest message;
   toWire(fork->rref, message.mutable_rref());
-  return keepAliveUntilDone(
-      preferCreationError(
-          fork,
+  return preferCreationError(
+      fork,
+      keepAliveUntilDone(
           send(
               fork->owner,
               kFetchKind,
               serialize(message),
               {},
               "RRef.toHere",
-              timeout)),
-      retain(handle));
+              timeout),
+          retain(handle)));
 }
 
 FuturePtr RRefContext::callOn(
@@ -299,17 +303,17 @@ FuturePtr RRefContext::callOn(
   wire::CallOnRequest message;
   toWire(fork->rref, message.mutable_rref());
   message.set_function(function);
-  return keepAliveUntilDone(
-      preferCreationError(
-          fork,
+  return preferCreationError(
+      fork,
+      keepAliveUntilDone(
           send(
               fork->owner,
               kCallOnKind,
               serialize(message),
               std::move(args),
               function,
-              timeout)),
-      retain(handle));
+              timeout),
+          retain(handle)));
 }
 
 FuturePtr RRefContext::confirmation(const RRefHandle& handle) {

@@ -273,6 +273,35 @@ TEST_F(RRefProtocol, AUseFailingBeforeTheCreationsAnswerWaitsForIt) {
   EXPECT_TRUE(cluster_->waitForEmptyTables());
 }
 
+// G2 when a use is still on its way as the creation fails: the use fails
+// with the creation's error at once (G4), but the fork is kept until the
+// owner has answered the use, so the deletion cannot overtake it and leave
+// the use to make a record no one deletes (R6).
+TEST_F(RRefProtocol, AUseStillOnItsWayWhenTheCreationFailsKeepsTheFork) {
+  start(2);
+  delayRRefMessages([](const rpc::MessageSummary& m) {
+    return (m.kind == rref::kFetchKind || m.kind == rref::kCallOnKind) &&
+            !m.isResponse
+        ? 300ms
+        : 0ms;
+  });
+  auto r = rref::remote<at::Tensor>(rt(0), "worker1", "boom");
+  auto fetched = r.toHereAsync();
+  auto called = r.rpcAsync<at::Tensor>("aten::mul.Scalar", 2.0);
+  expectRpcError(
+      [&]() { fetched.wait(); },
+      ErrorCode::kRemoteException,
+      {"worker1", "boom from the owner"});
+  expectRpcError(
+      [&]() { called.wait(); },
+      ErrorCode::kRemoteException,
+      {"worker1", "boom from the owner"});
+  r = RRef<at::Tensor>();
+  // Until the delayed uses have arrived, empty tables prove nothing.
+  std::this_thread::sleep_for(500ms);
+  EXPECT_TRUE(cluster_->waitForEmptyTables(5s));
+}
+
 TEST_F(RRefProtocol, ToHereRacesTheOwnersCreationOfTheValue) {
   start(3);
   auto r = rref::remote<at::Tensor>(rt(0), "worker1", "slow_make", 200, 7.0);
