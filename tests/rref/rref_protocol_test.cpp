@@ -297,8 +297,11 @@ TEST_F(RRefProtocol, AUseStillOnItsWayWhenTheCreationFailsKeepsTheFork) {
       ErrorCode::kRemoteException,
       {"worker1", "boom from the owner"});
   r = RRef<at::Tensor>();
-  // Until the delayed uses have arrived, empty tables prove nothing.
-  std::this_thread::sleep_for(500ms);
+  // Empty tables prove nothing until the owner has answered the delayed
+  // uses (a use that made a record no one deletes is never answered).
+  EXPECT_TRUE(waitUntil(
+      [&]() { return rt(0).agent().counters().pendingCalls == 0; },
+      5s));
   EXPECT_TRUE(cluster_->waitForEmptyTables(5s));
 }
 
