@@ -159,9 +159,9 @@ struct ServedRequest {
 // [Replies completed where they are read] in rpc/future.h).
 // Cancel messages are handled on the transport thread too (Note [Cancelled
 // requests]), and so are requests of kinds registered with
-// Dispatch::kInline: hang reports and graph dumps, which must be answered
-// even while every pool thread is blocked, and autograd's gradients, whose
-// sender waits for the answer while the pass they start runs on the pool. A
+// Dispatch::kInline: hang reports, which must be answered even while every
+// pool thread is blocked, and upper layers' kinds whose answer must not
+// wait behind the pool (their handlers hand longer work to it). A
 // kind's RunsInline predicate picks more requests to run there: calls of
 // functions registered cheap (FunctionOptions) and of builtin operators on
 // small tensors. Each saves a hand-off to the pool (a thread wake-up, or on a
