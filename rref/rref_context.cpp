@@ -144,6 +144,7 @@ RRefCounters RRefContext::countersLocked() const {
   counters.pendingForks = pendingChildren_.size();
   counters.pendingConfirmations = pendingConfirmations_;
   counters.tombstones = tombstones_.size();
+  counters.lateUses = lateUses_;
   return counters;
 }
 
@@ -176,6 +177,10 @@ void RRefContext::reportMetrics(rpc::LayerMetrics& out) const {
        "Deletions that came before their RRef existed.",
        Kind::kGauge,
        static_cast<double>(c.tombstones)},
+      {"late_uses_refused",
+       "Uses refused because they came after their RRef was deleted here.",
+       Kind::kCounter,
+       static_cast<double>(c.lateUses)},
   };
 }
 
@@ -348,6 +353,8 @@ void RRefContext::closed() {
     pendingChildren.swap(pendingChildren_);
     deletions_.clear();
     tombstones_.clear();
+    droppedIds_.clear();
+    droppedOrder_.clear();
     pendingConfirmations_ = 0;
   }
   // Values still being created or waited for fail now.

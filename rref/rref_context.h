@@ -62,7 +62,13 @@ namespace rref {
 //      and kCallOn for an unknown RRef create a pending record (kCallOn and
 //      kFetch wait for the value); a kDeleteFork for a fork the owner does
 //      not know leaves a tombstone, and the late kRemote that finds it does
-//      not run (the creator gave up on it after a timeout).
+//      not run (the creator gave up on it after a timeout). A message may
+//      also come after its record was dropped: a use keeps its fork only
+//      until it is answered or times out, so a use whose caller stopped
+//      waiting can arrive after the last fork's deletion. The owner
+//      remembers the RRefs whose records it dropped, and refuses kFetch and
+//      kCallOn naming one (kBadArguments) instead of making a pending
+//      record that no deletion would ever remove.
 //  R7. Every message a step causes is sent (or queued behind a deletion in
 //      flight to the same owner) before the message that caused it is
 //      answered, so until the protocol has settled some worker has a call in
@@ -94,7 +100,9 @@ namespace rref {
 // before delivery), its parent keeps its fork until shutdown: a bounded
 // leak, never an early free (G1 before G2). A kFetch naming an RRef that is
 // never created leaves an empty pending record until shutdown. Tombstones
-// are capped (kMaxTombstones); the oldest go first. A fork that a lost
+// and the ids of dropped records are capped (kMaxTombstones each); the
+// oldest go first, so a use later than kMaxTombstones drops makes a pending
+// record again. A fork that a lost
 // worker handed on shortly before it died is only safe if the receiver's
 // kForkNotify reaches the owner before the owner learns of the loss;
 // otherwise the owner may free the value first and the receiver's uses of
@@ -118,6 +126,9 @@ struct RRefCounters {
   size_t pendingConfirmations = 0;
   // Deletions that came before their RRef existed (R6).
   size_t tombstones = 0;
+  // Uses (kFetch, kCallOn) refused since start because they came after
+  // their RRef's record was dropped here (R6); a count, not a table.
+  size_t lateUses = 0;
 };
 
 // The RRef layer of one worker: its owner and user tables, its message
@@ -253,6 +264,12 @@ class RRefContext : public rpc::RuntimeLayer,
 
   // Owner side. The record of `id`, created pending if unknown (R6).
   std::shared_ptr<detail::OwnerRecord> recordLocked(const RRefId& id);
+  // The record a use (kFetch, kCallOn) names, as recordLocked(); throws
+  // kBadArguments if that record was dropped already (R6).
+  std::shared_ptr<detail::OwnerRecord> recordForUseLocked(
+      const RRefId& id,
+      const rpc::Request& request,
+      const char* what);
   // R5; what it drops goes into *dropped, to be freed outside the lock.
   void maybeDropRecordLocked(
       const std::shared_ptr<detail::OwnerRecord>& record,
@@ -327,6 +344,10 @@ class RRefContext : public rpc::RuntimeLayer,
   std::unordered_map<int64_t, DeletionQueue> deletions_;
   // R6: deletions that came before their RRef, oldest first.
   std::deque<std::pair<RRefId, ForkId>> tombstones_;
+  // R6: the RRefs whose records were dropped here, oldest first (capped).
+  std::unordered_set<RRefId, GlobalIdHash> droppedIds_;
+  std::deque<RRefId> droppedOrder_;
+  size_t lateUses_ = 0;
 };
 
 } // namespace rref

@@ -84,7 +84,7 @@ FuturePtr RRefContext::onCallOn(rpc::Request&& request) {
   std::shared_ptr<OwnerRecord> record;
   {
     std::lock_guard<std::mutex> guard(mutex_);
-    record = recordLocked(rref); // R6: may wait for the value
+    record = recordForUseLocked(rref, request, "rref.callOn"); // R6
   }
   return invokeOnValue(
       record->current(),
@@ -99,7 +99,7 @@ FuturePtr RRefContext::onFetch(rpc::Request&& request) {
   std::shared_ptr<OwnerRecord> record;
   {
     std::lock_guard<std::mutex> guard(mutex_);
-    record = recordLocked(rref); // R6: may wait for the value
+    record = recordForUseLocked(rref, request, "rref.fetch"); // R6
   }
   // The response is the copy: the codec writes the value's bytes.
   return record->current();
@@ -180,14 +180,46 @@ std::shared_ptr<OwnerRecord> RRefContext::recordLocked(const RRefId& id) {
   return slot;
 }
 
+std::shared_ptr<OwnerRecord> RRefContext::recordForUseLocked(
+    const RRefId& id,
+    const rpc::Request& request,
+    const char* what) {
+  if (owned_.count(id) == 0 && droppedIds_.count(id) != 0) {
+    // No fork of it is left anywhere (G1), so its caller gave up on this use
+    // (a timeout) before the deletion overtook it; a pending record made
+    // now would never be deleted.
+    ++lateUses_;
+    throw RpcError(
+        ErrorCode::kBadArguments,
+        self_.name,
+        what,
+        request.id,
+        describe(id) + " was deleted here before this use arrived: every " +
+            "fork of it had been given up (its caller stopped waiting)");
+  }
+  return recordLocked(id); // may wait for the value (R6)
+}
+
 void RRefContext::maybeDropRecordLocked(
     const std::shared_ptr<OwnerRecord>& record,
     std::vector<std::shared_ptr<OwnerRecord>>* dropped) {
   if (record->inTable && record->forks.empty() && record->value->completed()) {
     record->inTable = false;
-    auto it = owned_.find(record->id);
+    // `record` may be the table's own pointer, moved out below.
+    const RRefId id = record->id;
+    auto it = owned_.find(id);
     dropped->push_back(std::move(it->second));
     owned_.erase(it);
+    // R6: remembered so that a late use is refused. An owner's local handle
+    // may put the record back when it sends the RRef again (then the table
+    // is asked first).
+    if (droppedIds_.insert(id).second) {
+      droppedOrder_.push_back(id);
+      if (droppedOrder_.size() > kMaxTombstones) {
+        droppedIds_.erase(droppedOrder_.front());
+        droppedOrder_.pop_front();
+      }
+    }
   }
 }
 

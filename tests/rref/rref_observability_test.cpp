@@ -41,7 +41,8 @@ Gauges gauges(
       {"user_forks", userForks},
       {"pending_forks", pendingForks},
       {"pending_confirmations", pendingConfirmations},
-      {"tombstones", 0}};
+      {"tombstones", 0},
+      {"late_uses_refused", 0}};
 }
 
 std::string describe(const Gauges& values) {

@@ -305,6 +305,37 @@ TEST_F(RRefProtocol, AUseStillOnItsWayWhenTheCreationFailsKeepsTheFork) {
   EXPECT_TRUE(cluster_->waitForEmptyTables(5s));
 }
 
+// R6 after R5: a use keeps its fork until it is answered or times out, so a
+// use whose caller stopped waiting can reach the owner after the RRef's last
+// fork was deleted. The owner refuses it instead of making a pending record
+// that no deletion would ever remove.
+TEST_F(RRefProtocol, AUseArrivingAfterItsRRefWasDeletedIsRefused) {
+  start(2);
+  auto r = rref::remote<at::Tensor>(rt(0), "worker1", "make", 1, 3.0);
+  EXPECT_TRUE(at::equal(r.toHere(), at::full({1}, 3.0)));
+  ASSERT_TRUE(waitUntil([&]() { return r.confirmedByOwner(); }));
+  delayRRefMessages([](const rpc::MessageSummary& m) {
+    return m.kind == rref::kFetchKind && !m.isResponse ? 500ms : 0ms;
+  });
+  auto fetched = r.toHereAsync(100ms);
+  expectRpcError(
+      [&]() { fetched.wait(); },
+      ErrorCode::kTimeout,
+      {"worker1", "RRef.toHere"});
+  r = RRef<at::Tensor>();
+  // The deletion overtakes the delayed fetch: the record goes first.
+  ASSERT_TRUE(waitUntil(
+      [&]() {
+        return counters(0).userRRefs == 0 && counters(1).ownerRRefs == 0;
+      },
+      5s));
+  // Then the fetch arrives and is refused, leaving nothing behind.
+  EXPECT_TRUE(waitUntil([&]() { return counters(1).lateUses == 1; }, 5s));
+  EXPECT_EQ(layerValue(rt(1), "rref", "late_uses_refused"), 1);
+  EXPECT_TRUE(cluster_->waitForEmptyTables(5s));
+  EXPECT_EQ(counters(1).ownerRRefs, 0u);
+}
+
 TEST_F(RRefProtocol, ToHereRacesTheOwnersCreationOfTheValue) {
   start(3);
   auto r = rref::remote<at::Tensor>(rt(0), "worker1", "slow_make", 200, 7.0);
