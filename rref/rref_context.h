@@ -102,11 +102,10 @@ namespace rref {
 // never created leaves an empty pending record until shutdown. Tombstones
 // and the ids of dropped records are capped (kMaxTombstones each); the
 // oldest go first, so a use later than kMaxTombstones drops makes a pending
-// record again. A fork that a lost
-// worker handed on shortly before it died is only safe if the receiver's
-// kForkNotify reaches the owner before the owner learns of the loss;
-// otherwise the owner may free the value first and the receiver's uses of
-// it wait for their timeout.
+// record again. A fork that a lost worker handed on shortly before it died
+// is only safe if the receiver's kForkNotify reaches the owner before the
+// owner learns of the loss; otherwise the owner may free the value first and
+// the receiver's uses of it wait for their timeout.
 
 namespace detail {
 class RRefHandle;
