@@ -399,15 +399,15 @@ void LocalBackward::drain() {
       for (auto& entry : recvs) {
         try {
           recvReady_(entry.first, std::move(entry.second));
-        } catch (const std::exception& e) {
+        } catch (...) {
           error = rpc::makeRpcError(
               rpc::ErrorCode::kInternal,
               workerName_,
               "autograd.backward",
               0,
               "sending the gradients of recv #" +
-                  std::to_string(entry.first->messageId()) +
-                  " failed: " + rpc::describeException(e));
+                  std::to_string(entry.first->messageId()) + " failed: " +
+                  rpc::describeException(std::current_exception()));
           break;
         }
       }
@@ -427,13 +427,16 @@ void LocalBackward::drain() {
     std::exception_ptr error;
     try {
       outputs = runNode(*task.node, std::move(task.inputs));
-    } catch (const std::exception& e) {
+    } catch (...) {
+      // Whatever a node throws (user code: hooks, custom functions) fails
+      // the pass; thrown on, it would leave the pass draining for good.
       error = rpc::makeRpcError(
           rpc::ErrorCode::kRemoteException,
           workerName_,
           "autograd.backward",
           0,
-          task.node->name() + " raised: " + rpc::describeException(e));
+          task.node->name() +
+              " raised: " + rpc::describeException(std::current_exception()));
     }
     lock.lock();
     if (error) {

@@ -45,6 +45,21 @@ struct ThrowingBackward : torch::autograd::Function<ThrowingBackward> {
   }
 };
 
+// User code may throw what is not a std::exception.
+struct ThrowingAnIntBackward
+    : torch::autograd::Function<ThrowingAnIntBackward> {
+  static at::Tensor forward(
+      torch::autograd::AutogradContext*,
+      const at::Tensor& x) {
+    return x * 1;
+  }
+  static variable_list backward(
+      torch::autograd::AutogradContext*,
+      variable_list) {
+    throw 42;
+  }
+};
+
 // A pass with callbacks that record what it hands over.
 class Pass {
  public:
@@ -358,6 +373,18 @@ TEST(LocalBackward, ANodeThatThrowsFailsThePassNamingIt) {
   EXPECT_EQ(failureOf(pass, &what), rpc::ErrorCode::kRemoteException);
   EXPECT_NE(what.find("thrown on purpose"), std::string::npos) << what;
   EXPECT_NE(what.find("worker0"), std::string::npos) << what;
+  EXPECT_EQ(pass.leavesCalls, 0) << "a failed pass leaves no gradients";
+}
+
+TEST(LocalBackward, ANodeThatThrowsAnythingFailsThePass) {
+  auto x = leaf({2}, 19);
+  auto loss = ThrowingAnIntBackward::apply(x * 2).sum();
+  Pass pass;
+  pass.runFrom({loss}, {at::ones_like(loss)});
+  std::string what;
+  EXPECT_EQ(failureOf(pass, &what), rpc::ErrorCode::kRemoteException);
+  EXPECT_NE(what.find("ThrowingAnIntBackward"), std::string::npos) << what;
+  EXPECT_NE(what.find("unknown exception"), std::string::npos) << what;
   EXPECT_EQ(pass.leavesCalls, 0) << "a failed pass leaves no gradients";
 }
 
