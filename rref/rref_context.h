@@ -65,10 +65,11 @@ namespace rref {
 //      not run (the creator gave up on it after a timeout). A message may
 //      also come after its record was dropped: a use keeps its fork only
 //      until it is answered or times out, so a use whose caller stopped
-//      waiting can arrive after the last fork's deletion. The owner
-//      remembers the RRefs whose records it dropped, and refuses kFetch and
-//      kCallOn naming one (kBadArguments) instead of making a pending
-//      record that no deletion would ever remove.
+//      waiting can arrive after the last fork's deletion (and a kRemote
+//      with a receiver after the receiver's). The owner remembers the RRefs
+//      whose records it dropped, and refuses kFetch and kCallOn naming one,
+//      and fails the RRef a kRemote creates from one (kBadArguments),
+//      instead of making a pending record that no deletion would remove.
 //  R7. Every message a step causes is sent (or queued behind a deletion in
 //      flight to the same owner) before the message that caused it is
 //      answered, so until the protocol has settled some worker has a call in
@@ -101,11 +102,12 @@ namespace rref {
 // leak, never an early free (G1 before G2). A kFetch naming an RRef that is
 // never created leaves an empty pending record until shutdown. Tombstones
 // and the ids of dropped records are capped (kMaxTombstones each); the
-// oldest go first, so a use later than kMaxTombstones drops makes a pending
-// record again. A fork that a lost worker handed on shortly before it died
-// is only safe if the receiver's kForkNotify reaches the owner before the
-// owner learns of the loss; otherwise the owner may free the value first and
-// the receiver's uses of it wait for their timeout.
+// oldest go first, so a use that comes later than kMaxTombstones drops (at
+// 10 k drops a second, 6.5 s) makes a pending record again. A fork that a lost
+// worker handed on shortly before it died is only safe if the receiver's
+// kForkNotify reaches the owner before the owner learns of the loss; otherwise
+// the owner may free the value first and the receiver's uses of it wait for
+// their timeout.
 
 namespace detail {
 class RRefHandle;
@@ -263,8 +265,15 @@ class RRefContext : public rpc::RuntimeLayer,
 
   // Owner side. The record of `id`, created pending if unknown (R6).
   std::shared_ptr<detail::OwnerRecord> recordLocked(const RRefId& id);
+  // R6: whether a use of `id` comes after its record was dropped here (and
+  // not put back since); counts it.
+  bool lateUseLocked(const RRefId& id);
+  std::exception_ptr lateUseError(
+      const RRefId& id,
+      const rpc::Request& request,
+      const std::string& what) const;
   // The record a use (kFetch, kCallOn) names, as recordLocked(); throws
-  // kBadArguments if that record was dropped already (R6).
+  // kBadArguments if the use is late.
   std::shared_ptr<detail::OwnerRecord> recordForUseLocked(
       const RRefId& id,
       const rpc::Request& request,

@@ -24,9 +24,12 @@ FuturePtr RRefContext::onRemote(rpc::Request&& request) {
   if (rref.worker != request.from.id || fork.worker != request.from.id) {
     reader.fail("the creator did not mint its ids");
   }
+  const bool hasReceiver = message.has_receiver();
+  const RRefId receiverId = hasReceiver ? reader.id(message.receiver()) : rref;
   std::shared_ptr<OwnerRecord> record;
   std::shared_ptr<OwnerRecord> receiver;
   bool gaveUp = false;
+  bool receiverDeleted = false;
   {
     std::lock_guard<std::mutex> guard(mutex_);
     record = recordLocked(rref);
@@ -37,13 +40,21 @@ FuturePtr RRefContext::onRemote(rpc::Request&& request) {
     gaveUp = takeTombstoneLocked(rref, fork);
     if (!gaveUp) {
       record->forks.emplace(fork, request.from.id);
-      if (message.has_receiver()) {
-        receiver = recordLocked(reader.id(message.receiver()));
+      if (hasReceiver) {
+        // A use of the receiver, which may come late as kFetch does (R6).
+        receiverDeleted = lateUseLocked(receiverId);
+        if (!receiverDeleted) {
+          receiver = recordLocked(receiverId);
+        }
       }
     }
   }
   FuturePtr result;
-  if (gaveUp) {
+  if (receiverDeleted) {
+    // The new RRef fails and is dropped once its creator lets it go.
+    result =
+        failedFuture(lateUseError(receiverId, request, message.function()));
+  } else if (gaveUp) {
     // R6: the creator deleted its fork before this arrived.
     result = failedFuture(rpc::makeRpcError(
         ErrorCode::kTimeout,
@@ -180,24 +191,41 @@ std::shared_ptr<OwnerRecord> RRefContext::recordLocked(const RRefId& id) {
   return slot;
 }
 
+bool RRefContext::lateUseLocked(const RRefId& id) {
+  if (owned_.count(id) != 0 || droppedIds_.count(id) == 0) {
+    return false;
+  }
+  ++lateUses_;
+  return true;
+}
+
+std::exception_ptr RRefContext::lateUseError(
+    const RRefId& id,
+    const rpc::Request& request,
+    const std::string& what) const {
+  // The owner held no fork of it any more: the caller had given up on this
+  // use (a timeout), or the fork was a lost worker's (G6).
+  return rpc::makeRpcError(
+      ErrorCode::kBadArguments,
+      self_.name,
+      what,
+      request.id,
+      describe(id) + " was deleted here before this use arrived: its owner " +
+          "held no fork of it any more");
+}
+
 std::shared_ptr<OwnerRecord> RRefContext::recordForUseLocked(
     const RRefId& id,
     const rpc::Request& request,
     const char* what) {
-  if (owned_.count(id) == 0 && droppedIds_.count(id) != 0) {
-    // No fork of it is left anywhere (G1), so its caller gave up on this use
-    // (a timeout) before the deletion overtook it; a pending record made
-    // now would never be deleted.
-    ++lateUses_;
-    throw RpcError(
-        ErrorCode::kBadArguments,
-        self_.name,
-        what,
-        request.id,
-        describe(id) + " was deleted here before this use arrived: every " +
-            "fork of it had been given up (its caller stopped waiting)");
+  auto it = owned_.find(id);
+  if (it != owned_.end()) {
+    return it->second; // the common case: one lookup
   }
-  return recordLocked(id); // may wait for the value (R6)
+  if (lateUseLocked(id)) {
+    std::rethrow_exception(lateUseError(id, request, what));
+  }
+  return recordLocked(id); // pending: waits for the value (R6)
 }
 
 void RRefContext::maybeDropRecordLocked(

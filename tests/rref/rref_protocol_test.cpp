@@ -93,14 +93,16 @@ class RRefProtocol : public ::testing::Test {
  protected:
   void start(
       int worldSize,
-      rpc::TransportKind transport = rpc::TransportKind::kInProcess) {
+      rpc::TransportKind transport = rpc::TransportKind::kInProcess,
+      std::function<void(int, rpc::Options&)> configure = nullptr) {
     for (int rank = 0; rank < worldSize; ++rank) {
       workers_.holders.push_back(std::make_unique<Holder>());
     }
     cluster_ = std::make_unique<RRefCluster>(
         transport,
         worldSize,
-        functionsFor(workers_));
+        functionsFor(workers_),
+        std::move(configure));
   }
   void TearDown() override {
     if (cluster_) {
@@ -315,7 +317,8 @@ TEST_F(RRefProtocol, AUseArrivingAfterItsRRefWasDeletedIsRefused) {
   EXPECT_TRUE(at::equal(r.toHere(), at::full({1}, 3.0)));
   ASSERT_TRUE(waitUntil([&]() { return r.confirmedByOwner(); }));
   delayRRefMessages([](const rpc::MessageSummary& m) {
-    return m.kind == rref::kFetchKind && !m.isResponse ? 500ms : 0ms;
+    // Long enough that a loaded machine still deletes within it.
+    return m.kind == rref::kFetchKind && !m.isResponse ? 1500ms : 0ms;
   });
   auto fetched = r.toHereAsync(100ms);
   expectRpcError(
@@ -334,6 +337,37 @@ TEST_F(RRefProtocol, AUseArrivingAfterItsRRefWasDeletedIsRefused) {
   EXPECT_EQ(layerValue(rt(1), "rref", "late_uses_refused"), 1);
   EXPECT_TRUE(cluster_->waitForEmptyTables(5s));
   EXPECT_EQ(counters(1).ownerRRefs, 0u);
+}
+
+// The same for a kRemote whose receiver (the RRef it runs on) was deleted
+// while it was on its way: the new RRef fails instead of waiting for a
+// value that will never come, and both records go.
+TEST_F(RRefProtocol, ACreationOnAnRRefDeletedMeanwhileFails) {
+  start(2, rpc::TransportKind::kInProcess, [](int rank, rpc::Options& o) {
+    if (rank == 0) {
+      o.defaultTimeout = 300ms; // the creator's kRemote times out
+    }
+  });
+  auto r = rref::remote<at::Tensor>(rt(0), "worker1", "make", 1, 3.0);
+  EXPECT_TRUE(at::equal(r.toHere(), at::full({1}, 3.0)));
+  ASSERT_TRUE(waitUntil([&]() { return r.confirmedByOwner(); }));
+  delayRRefMessages([](const rpc::MessageSummary& m) {
+    return m.kind == rref::kRemoteKind && !m.isResponse ? 1500ms : 0ms;
+  });
+  auto p = r.remote<at::Tensor>("aten::mul.Scalar", 2.0);
+  r = RRef<at::Tensor>();
+  // Not a use of p: one would make p's record on worker1 before its kRemote.
+  expectRpcError(
+      [&]() { p.confirmedAsync().wait(); },
+      ErrorCode::kTimeout,
+      {"worker1", "aten::mul.Scalar"});
+  // The deletion of r overtakes the delayed kRemote.
+  ASSERT_TRUE(waitUntil([&]() { return counters(1).ownerRRefs == 0; }, 5s));
+  // p is still held, so its kRemote finds no tombstone and runs: on the
+  // deleted receiver, it is refused.
+  EXPECT_TRUE(waitUntil([&]() { return counters(1).lateUses == 1; }, 5s));
+  p = RRef<at::Tensor>();
+  EXPECT_TRUE(cluster_->waitForEmptyTables(5s));
 }
 
 TEST_F(RRefProtocol, ToHereRacesTheOwnersCreationOfTheValue) {
