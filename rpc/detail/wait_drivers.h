@@ -74,10 +74,12 @@ namespace detail {
 //
 // What a waiter runs is what the io thread would: reads, the handlers of
 // cheap functions (Note [Where messages are handled]) and future
-// callbacks. A thread drives only the loops registered here (TCP
-// transports with polling on), never from inside a loop it is already
-// running (an io thread, or a callback run while driving), and never while
-// it runs an inline handler (Future::wait() refuses that wait outright).
+// callbacks, one at a time, checking its future in between; a read it
+// finishes leaves the next one to the loop (Note [A waiter leaves its
+// next read to the loop] in tcp/connection.h). A thread drives only the loops
+// registered here (TCP transports with polling on), never from inside a loop it
+// is already running (an io thread, or a callback run while driving), and never
+// while it runs an inline handler (Future::wait() refuses that wait outright).
 // join() closes a transport to drivers and waits for the ones inside before
 // it runs the loop's last handlers itself.
 

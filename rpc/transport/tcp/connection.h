@@ -88,6 +88,29 @@ using AsioError = boost::system::error_code;
 // the buffer is empty; bytes read ahead of where the reader stops (the
 // handshake passed but the connection is not started yet) wait in it.
 
+// Note [A waiter leaves its next read to the loop]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A caller that waits for its answer runs the loop itself (Note [Waiting
+// callers drive the transport] in rpc/detail/wait_drivers.h), so the read
+// that brings the answer runs on its thread. Once the read is parsed the
+// connection asks for the next one, and Asio tries that read at once: on a
+// socket just drained it finds nothing (a recvfrom returning EAGAIN), and
+// before this note Asio's poll() then turned the reactor once more (an
+// epoll_wait finding nothing) before the waiter could return. Both ran
+// after the answer had come and before the caller got it: two system
+// calls, 2.4 µs on a machine where one costs 1.1-1.3 µs (bench/RESULTS.md,
+// "A kernel four to eight times dearer"). So a waiter runs one handler
+// per step and checks its future in between, and when a read is parsed on
+// a waiter's thread the next read is posted to the connection's strand
+// rather than started: the waiter returns with its answer, and the read
+// starts at the loop's next turn, run by the next waiter or by the io
+// thread (within kDriverLinger, as any message that arrives after a wait).
+// Nothing is missed meanwhile: bytes that arrive while no read is queued
+// stay in the socket, and Asio's reactor, which saw their readiness with
+// no operation waiting, tries the posted read on the socket before it
+// waits for readiness again. The io thread starts its reads at once, as
+// before.
+
 // Note [Sends held for one write]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A caller with many calls outstanding (a window of pipelined requests)
@@ -242,6 +265,8 @@ class TcpConnectionImpl
   // The buffer is empty and fill_ is not full: reads into the buffer, or
   // straight into the destinations when what is missing is large.
   void startSocketReadFromLoop();
+  // Starts the read into the buffer (capacity already set).
+  void readIntoBufferFromLoop();
   // Writes what was sent on this connection from its own read loop while
   // corked_ (Note [Buffered frame reads]: the replies to one read's
   // requests go out in one write).

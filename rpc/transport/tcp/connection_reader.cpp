@@ -155,6 +155,25 @@ void TcpConnectionImpl::startSocketReadFromLoop() {
     readBuffer_.reset(new char[capacity]);
     readCapacity_ = capacity;
   }
+  if (IoPolling::onDrivingThread()) {
+    // Note [A waiter leaves its next read to the loop].
+    auto read = [self]() {
+      // A failure meanwhile closes the socket: nothing is left to read.
+      if (!self->failedAlready()) {
+        self->readIntoBufferFromLoop();
+      }
+    };
+    if (!context_->postUnlessJoined(strand_, read)) {
+      read();
+    }
+    return;
+  }
+  readIntoBufferFromLoop();
+}
+
+void TcpConnectionImpl::readIntoBufferFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  auto self = shared_from_this();
   socket_.async_read_some(
       asio::buffer(readBuffer_.get(), readCapacity_),
       [self](const AsioError& ec, size_t bytes) {

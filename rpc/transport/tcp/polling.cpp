@@ -51,6 +51,21 @@ struct CountedIn {
 // The loop the current thread slept in during its current drive, if any.
 thread_local const IoPolling* tlsSleptIn = nullptr;
 
+// How many drive steps (driveOnce, driveBlocking) the current thread is
+// inside: nonzero while a waiter runs a loop's handlers.
+thread_local int tlsDriveSteps = 0;
+
+struct InDriveStep {
+  InDriveStep() {
+    ++tlsDriveSteps;
+  }
+  ~InDriveStep() {
+    --tlsDriveSteps;
+  }
+  InDriveStep(const InDriveStep&) = delete;
+  InDriveStep& operator=(const InDriveStep&) = delete;
+};
+
 std::atomic<int>& pollingSlotHolders() {
   static std::atomic<int> count{0};
   return count;
@@ -237,6 +252,10 @@ void IoPolling::noteHeldSend() {
   }
 }
 
+bool IoPolling::onDrivingThread() {
+  return tlsDriveSteps > 0;
+}
+
 void IoPolling::beginDriving() {
   drivers_.fetch_add(1);
 }
@@ -274,6 +293,7 @@ bool IoPolling::driveBlocking(
   }
   const auto start = Clock::now();
   try {
+    InDriveStep step;
     if (io_.run_one_for(timeout) > 0) {
       return true;
     }
@@ -308,7 +328,12 @@ bool IoPolling::driveOnce() {
     return false;
   }
   try {
-    return io_.poll() > 0;
+    // One handler per step, not poll()'s all-ready: the waiter checks its
+    // future after each, and poll() ends with one more reactor turn (an
+    // epoll_wait) that finds nothing, on the answer's path (Note [A waiter
+    // leaves its next read to the loop] in tcp/connection.h).
+    InDriveStep step;
+    return io_.poll_one() > 0;
   } catch (const std::exception& e) {
     TORCHRPC_LOG(kError) << "TcpTransport: callback threw on a thread "
                          << "waiting for a reply: " << e.what();

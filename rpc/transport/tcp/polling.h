@@ -97,8 +97,8 @@ class IoPolling {
   // reactor a driver would need. Once closed to drivers, the count no
   // longer keeps the io thread standing by.
   void beginDriving();
-  // io.poll() on the calling thread; true if it ran a handler. Handlers'
-  // exceptions are logged, not thrown into the waiter.
+  // io.poll_one() on the calling thread; true if it ran a handler.
+  // Handlers' exceptions are logged, not thrown into the waiter.
   bool driveOnce();
   void endDriving(bool answered);
   // io.run_one_for(timeout) on the calling thread, the one thread allowed
@@ -109,6 +109,9 @@ class IoPolling {
       const std::function<bool()>& done);
   // Wakes the thread in driveBlocking(), if any.
   void wakeBlockedDriver();
+  // Whether the calling thread runs handlers as a waiter, inside
+  // driveOnce() or driveBlocking() of any loop.
+  static bool onDrivingThread();
   // No thread drives once this returns (bounded: a drive step runs only
   // ready handlers, which must not block).
   void closeToDrivers();

@@ -60,6 +60,32 @@ TEST(TcpWaitDriver, TheIoThreadReadsAgainOnceNoOneDrives) {
   EXPECT_NE(c.readBy, std::this_thread::get_id());
 }
 
+// Note [A waiter leaves its next read to the loop] (tcp/connection.h): the
+// read after a waiter's answer is posted, not started. With the io thread
+// held, every answer is read by the waiter, so each one's next read is
+// left to the loop; the waiter's next wait starts it, and once no one
+// waits, the io thread does, and nothing sent meanwhile is missed.
+TEST(TcpWaitDriver, AReadAWaiterLeftIsStartedByTheNextWaitOrTheIoThread) {
+  HeldClient c(/*poll=*/true);
+  ASSERT_NE(c.serverTalk, nullptr);
+  c.holdIoThread();
+  for (int i = 1; i <= 3; ++i) {
+    c.serverTalk->send(makeMessage("answer"), [](const TransportError*) {});
+    ASSERT_TRUE(driveUntil([&]() { return c.received.load() == i; }, kTimeout));
+    EXPECT_EQ(c.readBy, std::this_thread::get_id());
+  }
+  // Sent while no one reads this connection: the waiter is gone and the io
+  // thread still held.
+  c.serverTalk->send(makeMessage("unasked"), [](const TransportError*) {});
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(c.received.load(), 3);
+  c.gate.open();
+  ASSERT_TRUE(torchrpc::testing::eventually(
+      [&]() { return c.received.load() == 4; },
+      kTimeout));
+  EXPECT_NE(c.readBy, std::this_thread::get_id());
+}
+
 // CPU time of the calling thread.
 std::chrono::microseconds threadCpuTime() {
   timespec t{};
