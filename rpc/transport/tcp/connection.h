@@ -99,12 +99,13 @@ using AsioError = boost::system::error_code;
 // epoll_wait finding nothing) before the waiter could return. Both ran
 // after the answer had come and before the caller got it: two system
 // calls, 2.4 µs on a machine where one costs 1.1-1.3 µs (bench/RESULTS.md,
-// "A kernel four to eight times dearer"). So a waiter runs one handler
+// "A kernel six to nine times dearer"). So a waiter runs one handler
 // per step and checks its future in between, and when a read is parsed on
 // a waiter's thread the next read is posted to the connection's strand
 // rather than started: the waiter returns with its answer, and the read
 // starts at the loop's next turn, run by the next waiter or by the io
-// thread (within kDriverLinger, as any message that arrives after a wait).
+// thread (as soon as it would read a message that arrives after a wait:
+// Note [Waiting callers drive the transport]).
 // Nothing is missed meanwhile: bytes that arrive while no read is queued
 // stay in the socket, and Asio's reactor, which saw their readiness with
 // no operation waiting, tries the posted read on the socket before it
