@@ -132,7 +132,10 @@ using AsioError = boost::system::error_code;
 // kHoldMaxFrames-th held one, a frame sent from the read loop, close())
 // takes the held frames with it, in order. The price: an asynchronous
 // request sent in dense traffic may wait until its caller's next wait or
-// the loop's next turn, at most about 0.2 ms, before it is written.
+// the loop's next turn, at most about 0.2 ms, before it is written. A
+// wait that gets its answer first leaves a flush queued behind it to that
+// next wait or turn too (a waiter runs one handler per step: Note [A
+// waiter leaves its next read to the loop]).
 
 // One connection's socket and state. Internal: the user holds a
 // TcpConnection handle, whose destruction closes this; asynchronous
