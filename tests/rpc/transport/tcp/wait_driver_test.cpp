@@ -63,8 +63,9 @@ TEST(TcpWaitDriver, TheIoThreadReadsAgainOnceNoOneDrives) {
 // Note [A waiter leaves its next read to the loop] (tcp/connection.h): the
 // read after a waiter's answer is posted, not started. With the io thread
 // held, every answer is read by the waiter, so each one's next read is
-// left to the loop; the waiter's next wait starts it, and once no one
-// waits, the io thread does, and nothing sent meanwhile is missed.
+// left to the loop: the waiter's next step starts it (a step that would
+// find nothing to run had the answer's step started the read), and once
+// no one waits, the io thread does, and nothing sent meanwhile is missed.
 TEST(TcpWaitDriver, AReadAWaiterLeftIsStartedByTheNextWaitOrTheIoThread) {
   HeldClient c(/*poll=*/true);
   ASSERT_NE(c.serverTalk, nullptr);
@@ -73,6 +74,11 @@ TEST(TcpWaitDriver, AReadAWaiterLeftIsStartedByTheNextWaitOrTheIoThread) {
     c.serverTalk->send(makeMessage("answer"), [](const TransportError*) {});
     ASSERT_TRUE(driveUntil([&]() { return c.received.load() == i; }, kTimeout));
     EXPECT_EQ(c.readBy, std::this_thread::get_id());
+    if (i < 3) {
+      detail::DrivingScope next;
+      EXPECT_TRUE(next.driveOnce()) << "answer " << i;
+      next.end(true);
+    }
   }
   // Sent while no one reads this connection: the waiter is gone and the io
   // thread still held.
