@@ -53,6 +53,50 @@ constexpr std::chrono::milliseconds kContendedBackoff{50};
 // True while the process holds back from spinning.
 bool cpuContended();
 
+// Note [Pollers yield every few microseconds]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A waiter driving the transport and an io thread polling after traffic
+// poll with a system call (a zero-timeout epoll_wait). Yielding after each
+// poll that found nothing made every turn of their loop two system calls,
+// and a message that arrived during the yield waited for both ends: with
+// a system call at about a microsecond (a guest kernel with page-table
+// isolation), that was about a microsecond more per side of a round trip
+// (bench/RESULTS.md, "Pollers yield every few microseconds"). So these
+// two yield once per kPollerYieldEvery of polls that found nothing, not
+// after each: a thread of another process that wants the CPU waits at
+// most that much longer for the first yield, and every yield is still
+// timed, so a contended CPU still stops the spinning as in Note [Spinning
+// on a busy machine]. During a back-off they stop at once, without a
+// yield. The pool's spinner (rpc/detail/spinning_thread_pool.h) checks an
+// atomic, not the kernel: its yield is what keeps its loop from spinning
+// on a cache line, so it still yields after each check.
+constexpr std::chrono::microseconds kPollerYieldEvery{5};
+
+// One poller's yields, paced per Note [Pollers yield every few
+// microseconds]. Not thread-safe: one per polling loop.
+class PollerYields {
+ public:
+  // A poll found work, or the poller slept: the next empty poll starts a
+  // new stretch.
+  void newStretch() {
+    idleSinceNs_ = kNotIdle;
+  }
+  // A poll found nothing. False, as yieldUnlessContended(), if the CPU is
+  // contended (stop spinning); else true, having yielded once
+  // kPollerYieldEvery of empty polls passed since the stretch began or
+  // since the last yield.
+  bool afterEmptyPoll();
+  // How many times this poller yielded (for tests).
+  int64_t yields() const {
+    return yields_;
+  }
+
+ private:
+  static constexpr int64_t kNotIdle = -1;
+  int64_t idleSinceNs_ = kNotIdle;
+  int64_t yields_ = 0;
+};
+
 // Yields the CPU once. Returns false, and starts the back-off, if the
 // yield showed the CPU contended; false at once during the back-off.
 bool yieldUnlessContended();

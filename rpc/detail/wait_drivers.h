@@ -133,6 +133,10 @@ class DrivingScope {
   DrivingScope(const DrivingScope&) = delete;
   DrivingScope& operator=(const DrivingScope&) = delete;
 
+  // Whether this wait drives any loop (else driveOnce() does nothing).
+  bool drivesAny() const {
+    return drivers_ != nullptr && !drivers_->empty();
+  }
   // One non-blocking step of every loop; true if any ran something.
   bool driveOnce();
   // Sleeps in the loop until `done()`, when this wait drives exactly one

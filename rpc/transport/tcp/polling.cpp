@@ -142,10 +142,12 @@ bool IoPolling::holdsSends() const {
 void IoPolling::run() {
   PollingSlot slot;
   EventLoopThreadScope loopThread;
+  PollerYields yields;
   while (!io_.stopped()) {
     if (driversActive()) {
       slot.release();
       standByForDrivers();
+      yields.newStretch();
       continue;
     }
     // The loop is this thread's again: the next stretch of drives starts
@@ -155,18 +157,21 @@ void IoPolling::run() {
       standByPeriod_.store(kStandByWait, std::memory_order_relaxed);
     }
     if (io_.poll() > 0) {
+      yields.newStretch();
       continue;
     }
     // Note [Spinning on a busy machine]: on a contended CPU, sleep in the
-    // kernel, where the next message wakes this thread.
+    // kernel, where the next message wakes this thread. Note [Pollers
+    // yield every few microseconds].
     if (keepPolling() && !io_.stopped() && slot.take() &&
-        yieldUnlessContended()) {
+        yields.afterEmptyPoll()) {
       continue;
     }
     slot.release();
     if (sleepUntilWork() == 0) {
       return; // stopped, or no work left
     }
+    yields.newStretch();
   }
 }
 

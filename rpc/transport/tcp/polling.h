@@ -29,10 +29,12 @@ namespace tcp {
 // waking it (and its idle vCPU) costs tens to hundreds of microseconds per
 // message, more the longer it slept. When polling is on, an io thread
 // that finds nothing ready keeps polling instead (a zero-timeout
-// epoll_wait, yielding the CPU in between) while the last data frame is
-// younger than pollAfterTraffic (a conversation's next message is likely
-// near), or younger than pollWhileAwaiting while this process awaits
-// replies (its callers are blocked anyway). Then it sleeps as before.
+// epoll_wait, yielding the CPU every few microseconds: Note [Pollers yield
+// every few microseconds] in rpc/detail/busy_wait.h) while the last data
+// frame is younger than pollAfterTraffic (a conversation's next message is
+// likely near), or younger than pollWhileAwaiting while this process
+// awaits replies (its callers are blocked anyway). Then it sleeps as
+// before.
 // Heartbeats do not count as traffic, so an idle worker uses no CPU; a
 // busy one spends up to a core on lower latency (one io thread per
 // process polls at a time). bench/RESULTS.md has the measurements. When
