@@ -120,18 +120,20 @@ void spinUntilCompleted(
   // Note [Waiting callers drive the transport]: the answer is read here
   // when the transport lets this thread run its loop.
   DrivingScope driving;
-  // Note [Pollers yield every few microseconds]: a turn that polled a
-  // transport yields now and then; one that only checked the future
-  // (no transport to drive) yields each time.
-  const bool polls = driving.drivesAny();
   PollerYields yields;
   const auto until = Clock::now() + limit;
   while (!future.completed() && Clock::now() < until) {
-    if (driving.driveOnce()) {
+    const DriveStep step = driving.driveOnce();
+    if (step == DriveStep::kRan) {
       yields.newStretch();
       continue;
     }
-    if (!(polls ? yields.afterEmptyPoll() : yieldUnlessContended())) {
+    // Note [Pollers yield every few microseconds]: a turn that asked the
+    // kernel yields now and then; one that only checked memory (no loop to
+    // drive, or its reactor another thread's) yields each time.
+    const bool spinOn = step == DriveStep::kPolled ? yields.afterEmptyPoll()
+                                                   : yieldUnlessContended();
+    if (!spinOn) {
       break;
     }
   }

@@ -76,18 +76,22 @@ DrivingScope::~DrivingScope() {
   end(false);
 }
 
-bool DrivingScope::driveOnce() {
+DriveStep DrivingScope::driveOnce() {
   if (!drivers_) {
-    return false;
+    return DriveStep::kNothing;
   }
   // What runs here is the loop's work: a wait inside it (a future
   // callback that waits) must not drive again.
   EventLoopThreadScope inLoop;
-  bool ran = false;
+  DriveStep result = DriveStep::kNothing;
   for (const auto& driver : *drivers_) {
-    ran = driver->driveOnce() || ran;
+    const DriveStep step = driver->driveOnce();
+    if (step == DriveStep::kRan ||
+        (step == DriveStep::kPolled && result == DriveStep::kNothing)) {
+      result = step;
+    }
   }
-  return ran;
+  return result;
 }
 
 void DrivingScope::blockUntil(

@@ -107,7 +107,7 @@ bool driveUntil(Done done, std::chrono::milliseconds limit) {
   detail::DrivingScope driving;
   const auto deadline = Clock::now() + limit;
   while (!done() && Clock::now() < deadline) {
-    if (!driving.driveOnce()) {
+    if (driving.driveOnce() != detail::DriveStep::kRan) {
       std::this_thread::yield();
     }
   }

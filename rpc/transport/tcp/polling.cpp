@@ -162,9 +162,12 @@ void IoPolling::run() {
     }
     // Note [Spinning on a busy machine]: on a contended CPU, sleep in the
     // kernel, where the next message wakes this thread. Note [Pollers
-    // yield every few microseconds].
+    // yield every few microseconds]: a poll that could not ask the kernel
+    // (another io thread asleep in the loop holds the reactor) yields each
+    // time.
     if (keepPolling() && !io_.stopped() && slot.take() &&
-        yields.afterEmptyPoll()) {
+        (reactorAsleepElsewhere() ? yieldUnlessContended()
+                                  : yields.afterEmptyPoll())) {
       continue;
     }
     slot.release();
@@ -325,12 +328,12 @@ void IoPolling::wakeBlockedDriver() {
   }
 }
 
-bool IoPolling::driveOnce() {
+DriveStep IoPolling::driveOnce() {
   CountedIn running(drivesRunning_);
   // Checked after counting in: closeToDrivers() sets the flag, then waits
   // for the count, so no drive starts after it returned.
   if (closedToDrivers_.load() || io_.stopped()) {
-    return false;
+    return DriveStep::kNothing;
   }
   try {
     // One handler per step, not poll()'s all-ready: the waiter checks its
@@ -338,12 +341,17 @@ bool IoPolling::driveOnce() {
     // epoll_wait) that finds nothing, on the answer's path (Note [A waiter
     // leaves its next read to the loop] in tcp/connection.h).
     InDriveStep step;
-    return io_.poll_one() > 0;
+    if (io_.poll_one() > 0) {
+      return DriveStep::kRan;
+    }
   } catch (const std::exception& e) {
     TORCHRPC_LOG(kError) << "TcpTransport: callback threw on a thread "
                          << "waiting for a reply: " << e.what();
-    return true;
+    return DriveStep::kRan;
   }
+  // Asio runs the reactor (epoll_wait) only for a thread that can take
+  // it; one asleep in the loop holds it.
+  return reactorAsleepElsewhere() ? DriveStep::kNothing : DriveStep::kPolled;
 }
 
 void IoPolling::endDriving(bool answered) {

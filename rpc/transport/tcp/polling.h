@@ -12,6 +12,8 @@
 #include <memory>
 #include <mutex>
 
+#include "torchrpc/rpc/detail/wait_drivers.h"
+
 namespace boost {
 namespace asio {
 class io_context;
@@ -99,9 +101,9 @@ class IoPolling {
   // reactor a driver would need. Once closed to drivers, the count no
   // longer keeps the io thread standing by.
   void beginDriving();
-  // io.poll_one() on the calling thread; true if it ran a handler.
+  // io.poll_one() on the calling thread (DriveStep says what it did).
   // Handlers' exceptions are logged, not thrown into the waiter.
-  bool driveOnce();
+  DriveStep driveOnce();
   void endDriving(bool answered);
   // io.run_one_for(timeout) on the calling thread, the one thread allowed
   // to sleep in the loop as a driver; true if it slept (Note [Waiting
@@ -117,6 +119,10 @@ class IoPolling {
   // No thread drives once this returns (bounded: a drive step runs only
   // ready handlers, which must not block).
   void closeToDrivers();
+  // Io threads asleep in the loop, in run_one() (for tests).
+  int sleepingIoThreads() const {
+    return sleepingIoThreads_.load();
+  }
   // How often the io thread stood by for a driver (for tests).
   uint64_t standBys() const {
     return standBys_.load(std::memory_order_relaxed);
@@ -139,6 +145,13 @@ class IoPolling {
   // to wait with it (any thread).
   void shortenStandBy();
   bool driversActive() const;
+  // Whether a thread asleep in the loop (an io thread in run_one(), a
+  // driver in driveBlocking()) holds the reactor, so that a poll by
+  // another thread finds nothing without asking the kernel.
+  bool reactorAsleepElsewhere() const {
+    return sleepingIoThreads_.load(std::memory_order_relaxed) > 0 ||
+        blockedDriver_.load(std::memory_order_relaxed);
+  }
   // io.run_one(), counted in sleepingIoThreads_ meanwhile.
   size_t sleepUntilWork();
 

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <thread>
 
+#include "tests/support/no_contention_backoff.h"
 #include "torchrpc/rpc/detail/busy_wait.h"
 
 namespace torchrpc {
@@ -96,22 +97,10 @@ TEST(BusyWaitTest, AYieldToAThreadThatWantsTheCpuStopsSpinning) {
   EXPECT_FALSE(cpuContended());
 }
 
-// Turns the back-off off while alive: a busy test machine's back-off would
-// end a poller's loop early, and the pacing does not depend on it.
-class NoBackOff {
- public:
-  NoBackOff() {
-    setContentionBackoffEnabled(false);
-  }
-  ~NoBackOff() {
-    setContentionBackoffEnabled(true);
-  }
-};
-
 // Note [Pollers yield every few microseconds]: a poller that finds nothing
 // again and again yields once per kPollerYieldEvery, not after each poll.
 TEST(BusyWaitTest, APollerYieldsOncePerIntervalOfEmptyPolls) {
-  NoBackOff noBackOff;
+  torchrpc::testing::NoContentionBackoff noBackoff;
   PollerYields poller;
   int64_t polls = 0;
   const auto start = Clock::now();
@@ -134,7 +123,7 @@ TEST(BusyWaitTest, APollerYieldsOncePerIntervalOfEmptyPolls) {
 // not yield, however long ago the last yield was; one kPollerYieldEvery
 // later, one does.
 TEST(BusyWaitTest, AStretchOfEmptyPollsYieldsOnlyAfterTheInterval) {
-  NoBackOff noBackOff;
+  torchrpc::testing::NoContentionBackoff noBackoff;
   PollerYields poller;
   EXPECT_TRUE(poller.afterEmptyPoll());
   EXPECT_EQ(poller.yields(), 0);
