@@ -130,9 +130,15 @@ void spinUntilCompleted(
     }
     // Note [Pollers yield every few microseconds]: a turn that asked the
     // kernel yields now and then; one that only checked memory (no loop to
-    // drive, or its reactor another thread's) yields each time.
-    const bool spinOn = step == DriveStep::kPolled ? yields.afterEmptyPoll()
-                                                   : yieldUnlessContended();
+    // drive, or its reactor another thread's) yields each time, and the
+    // next kernel poll starts a stretch of its own.
+    bool spinOn = true;
+    if (step == DriveStep::kPolled) {
+      spinOn = yields.afterEmptyPoll();
+    } else {
+      yields.newStretch();
+      spinOn = yieldUnlessContended();
+    }
     if (!spinOn) {
       break;
     }

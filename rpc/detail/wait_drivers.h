@@ -87,10 +87,13 @@ namespace detail {
 enum class DriveStep {
   // Ran a handler.
   kRan,
-  // Asked the kernel (a zero-timeout epoll_wait) and found nothing.
+  // Found nothing, and could ask the kernel (a zero-timeout epoll_wait):
+  // no thread asleep in the loop holds its reactor. (Another waiter may
+  // have held it for the moment of its own poll.)
   kPolled,
-  // Found nothing without asking the kernel: another thread holds the
-  // loop's reactor (asleep in epoll), or the loop is closed to drivers.
+  // Found nothing without asking the kernel: a thread asleep in the loop
+  // (in epoll) holds its reactor, or the loop is stopped or closed to
+  // drivers.
   // Note [Pollers yield every few microseconds] in rpc/detail/busy_wait.h.
   kNothing,
 };

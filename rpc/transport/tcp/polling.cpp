@@ -163,8 +163,8 @@ void IoPolling::run() {
     // Note [Spinning on a busy machine]: on a contended CPU, sleep in the
     // kernel, where the next message wakes this thread. Note [Pollers
     // yield every few microseconds]: a poll that could not ask the kernel
-    // (another io thread asleep in the loop holds the reactor) yields each
-    // time.
+    // (another io thread, or a driver, asleep in the loop holds the
+    // reactor) yields each time.
     if (keepPolling() && !io_.stopped() && slot.take() &&
         (reactorAsleepElsewhere() ? yieldUnlessContended()
                                   : yields.afterEmptyPoll())) {
