@@ -43,10 +43,9 @@ T convertResult(
   }
 }
 
-// Polls `future` for at most `limit`, driving the transport meanwhile (Note
-// [Waiting callers drive the transport] in rpc/detail/wait_drivers.h) and
-// yielding now and then, and stops early when the CPU is wanted by others:
-// see Note [Spinning on a busy machine] in rpc/detail/busy_wait.h.
+// Polls `future` between yields for at most `limit`, and stops early when
+// the CPU is wanted by others: see Note [Spinning on a busy machine] in
+// rpc/detail/busy_wait.h.
 void spinUntilCompleted(
     const c10::ivalue::Future& future,
     std::chrono::microseconds limit);

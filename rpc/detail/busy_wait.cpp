@@ -36,15 +36,19 @@ std::atomic<int64_t> lastLongYieldNs{std::numeric_limits<int64_t>::min() / 2};
 std::atomic<int64_t> backoffCount{0};
 std::atomic<bool> backoffEnabled{true};
 
-// Yields once, timed from `before` (now), unless a back-off is under way;
-// `after` receives the time the yield returned.
-bool yieldFrom(int64_t before, int64_t& after) {
-  after = before;
+} // namespace
+
+bool cpuContended() {
+  return nowNs() < backoffUntilNs.load(std::memory_order_relaxed);
+}
+
+bool yieldUnlessContended() {
+  const int64_t before = nowNs();
   if (before < backoffUntilNs.load(std::memory_order_relaxed)) {
     return false;
   }
   std::this_thread::yield();
-  after = nowNs();
+  const int64_t after = nowNs();
   if (after - before < nanos(kContendedYield) ||
       !backoffEnabled.load(std::memory_order_relaxed)) {
     return true;
@@ -59,36 +63,6 @@ bool yieldFrom(int64_t before, int64_t& after) {
       std::memory_order_relaxed);
   backoffCount.fetch_add(1, std::memory_order_relaxed);
   return false;
-}
-
-} // namespace
-
-bool cpuContended() {
-  return nowNs() < backoffUntilNs.load(std::memory_order_relaxed);
-}
-
-bool yieldUnlessContended() {
-  int64_t after = 0;
-  return yieldFrom(nowNs(), after);
-}
-
-bool PollerYields::afterEmptyPoll() {
-  const int64_t now = nowNs();
-  if (now < backoffUntilNs.load(std::memory_order_relaxed)) {
-    return false;
-  }
-  if (idleSinceNs_ == kNotIdle) {
-    idleSinceNs_ = now;
-    return true;
-  }
-  if (now - idleSinceNs_ < nanos(kPollerYieldEvery)) {
-    return true;
-  }
-  ++yields_;
-  int64_t after = now;
-  const bool spinOn = yieldFrom(now, after);
-  idleSinceNs_ = after;
-  return spinOn;
 }
 
 void setContentionBackoffEnabled(bool enabled) {
@@ -120,26 +94,12 @@ void spinUntilCompleted(
   // Note [Waiting callers drive the transport]: the answer is read here
   // when the transport lets this thread run its loop.
   DrivingScope driving;
-  PollerYields yields;
   const auto until = Clock::now() + limit;
   while (!future.completed() && Clock::now() < until) {
-    const DriveStep step = driving.driveOnce();
-    if (step == DriveStep::kRan) {
-      yields.newStretch();
+    if (driving.driveOnce()) {
       continue;
     }
-    // Note [Pollers yield every few microseconds]: a turn that asked the
-    // kernel yields now and then; one that only checked memory (no loop to
-    // drive, or its reactor another thread's) yields each time, and the
-    // next kernel poll starts a stretch of its own.
-    bool spinOn = true;
-    if (step == DriveStep::kPolled) {
-      spinOn = yields.afterEmptyPoll();
-    } else {
-      yields.newStretch();
-      spinOn = yieldUnlessContended();
-    }
-    if (!spinOn) {
+    if (!yieldUnlessContended()) {
       break;
     }
   }

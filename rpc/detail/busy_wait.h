@@ -15,22 +15,21 @@ namespace detail {
 // Three kinds of torchrpc threads spin for a while instead of sleeping, to
 // save the cost of a wake-up (Note [Adaptive spin], Note [Polling after
 // traffic]): a caller in Future::wait(), an io thread after traffic, a pool
-// thread after a task. Between polls they yield the CPU (pollers that ask
-// the kernel every few microseconds: Note [Pollers yield every few
-// microseconds]). A yielding thread stays runnable, so when another
-// process wants the CPU, each yield hands it over for the rest of its time
-// slice, and the event the spinner waits for (a reply arriving) wakes no
-// one, since no one sleeps: a round trip then takes milliseconds, a
-// scheduler tick or more (bench/RESULTS.md, "A busy machine").
+// thread after a task. Between polls they yield the CPU. A yielding thread
+// stays runnable, so when another process wants the CPU, each yield hands
+// it over for the rest of its time slice, and the event the spinner waits
+// for (a reply arriving) wakes no one, since no one sleeps: a round trip
+// then takes milliseconds, a scheduler tick or more (bench/RESULTS.md, "A
+// busy machine").
 //
-// So every spinner yields through yieldUnlessContended() (or PollerYields,
-// which calls the same), which times the yield. On a quiet machine a yield
-// returns within microseconds (at most another torchrpc spinner runs meanwhile,
-// and it yields back); now and then one takes longer (an interrupt, the
-// hypervisor), a few times a second. With a busy process on the same CPU,
-// yields take a time slice, milliseconds, hundreds of times a second. So a
-// yield longer than kContendedYield that comes within kContendedWindow of the
-// previous one means something else wants the CPU: then the whole process stops
+// So every spinner yields through yieldUnlessContended(), which times the
+// yield. On a quiet machine a yield returns within microseconds (at most
+// another torchrpc spinner runs meanwhile, and it yields back); now and
+// then one takes longer (an interrupt, the hypervisor), a few times a
+// second. With a busy process on the same CPU, yields take a time slice,
+// milliseconds, hundreds of times a second. So a yield longer than
+// kContendedYield that comes within kContendedWindow of the previous one
+// means something else wants the CPU: then the whole process stops
 // spinning for kContendedBackoff, and every waiter sleeps in the kernel,
 // where the event it waits for wakes it with the scheduler's preference for
 // a thread that just woke up. After the back-off, spinners probe again.
@@ -53,55 +52,6 @@ constexpr std::chrono::milliseconds kContendedWindow{20};
 constexpr std::chrono::milliseconds kContendedBackoff{50};
 // True while the process holds back from spinning.
 bool cpuContended();
-
-// Note [Pollers yield every few microseconds]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// A waiter driving the transport and an io thread polling after traffic
-// poll with a system call (a zero-timeout epoll_wait) when they hold the
-// loop's reactor. Yielding after each poll that found nothing made every
-// turn of their loop two system calls, and a message that arrived during
-// the yield waited for both to end: with a system call at about a
-// microsecond (a guest kernel with page-table isolation), that was on
-// each side of a round trip (bench/RESULTS.md, "Pollers yield every few
-// microseconds"). So these two yield once per kPollerYieldEvery of polls
-// that asked the kernel and found nothing, not after each: a thread of
-// another process that wants the CPU waits at most that much longer for
-// the first yield, and every yield is still timed, so a contended CPU
-// still stops the spinning as in Note [Spinning on a busy machine].
-// During a back-off they stop at once, without a yield.
-//
-// A poll that did not ask the kernel still yields each time: when another
-// thread asleep in the loop holds the reactor (DriveStep::kNothing in
-// rpc/detail/wait_drivers.h), a poll is a mutex and a few atomics, and
-// polling those without a pause would fight the thread that wakes with
-// the answer for the loop's mutex. So does the pool's spinner
-// (rpc/detail/spinning_thread_pool.h), which checks an atomic.
-constexpr std::chrono::microseconds kPollerYieldEvery{5};
-
-// One poller's yields, paced per Note [Pollers yield every few
-// microseconds]. Not thread-safe: one per polling loop.
-class PollerYields {
- public:
-  // A poll found work, or the poller slept: the next empty poll starts a
-  // new stretch.
-  void newStretch() {
-    idleSinceNs_ = kNotIdle;
-  }
-  // A poll found nothing. False, as yieldUnlessContended(), if the CPU is
-  // contended (stop spinning); else true, having yielded once
-  // kPollerYieldEvery of empty polls passed since the stretch began or
-  // since the last yield.
-  bool afterEmptyPoll();
-  // How many times this poller yielded (for tests).
-  int64_t yields() const {
-    return yields_;
-  }
-
- private:
-  static constexpr int64_t kNotIdle = -1;
-  int64_t idleSinceNs_ = kNotIdle;
-  int64_t yields_ = 0;
-};
 
 // Yields the CPU once. Returns false, and starts the back-off, if the
 // yield showed the CPU contended; false at once during the back-off.

@@ -76,22 +76,18 @@ DrivingScope::~DrivingScope() {
   end(false);
 }
 
-DriveStep DrivingScope::driveOnce() {
+bool DrivingScope::driveOnce() {
   if (!drivers_) {
-    return DriveStep::kNothing;
+    return false;
   }
   // What runs here is the loop's work: a wait inside it (a future
   // callback that waits) must not drive again.
   EventLoopThreadScope inLoop;
-  DriveStep result = DriveStep::kNothing;
+  bool ran = false;
   for (const auto& driver : *drivers_) {
-    const DriveStep step = driver->driveOnce();
-    if (step == DriveStep::kRan ||
-        (step == DriveStep::kPolled && result == DriveStep::kNothing)) {
-      result = step;
-    }
+    ran = driver->driveOnce() || ran;
   }
-  return result;
+  return ran;
 }
 
 void DrivingScope::blockUntil(

@@ -83,30 +83,15 @@ namespace detail {
 // join() closes a transport to drivers and waits for the ones inside before
 // it runs the loop's last handlers itself.
 
-// What one non-blocking step of a loop did.
-enum class DriveStep {
-  // Ran a handler.
-  kRan,
-  // Found nothing, and could ask the kernel (a zero-timeout epoll_wait):
-  // no thread asleep in the loop holds its reactor. (Another waiter may
-  // have held it for the moment of its own poll.)
-  kPolled,
-  // Found nothing without asking the kernel: a thread asleep in the loop
-  // (in epoll) holds its reactor, or the loop is stopped or closed to
-  // drivers.
-  // Note [Pollers yield every few microseconds] in rpc/detail/busy_wait.h.
-  kNothing,
-};
-
 // An event loop a waiting thread can run steps of.
 class WaitDriver {
  public:
   virtual ~WaitDriver() = default;
   // The calling thread starts driving (always paired with endDriving()).
   virtual void beginDriving() = 0;
-  // Runs what is ready without blocking, and says what it did. Runs
+  // Runs what is ready without blocking; true if it ran anything. Runs
   // nothing once the loop is closed to drivers.
-  virtual DriveStep driveOnce() = 0;
+  virtual bool driveOnce() = 0;
   // The thread stops driving; `answered` is false when it stops before its
   // future completed (it will sleep: the loop's own thread takes over).
   virtual void endDriving(bool answered) = 0;
@@ -148,10 +133,8 @@ class DrivingScope {
   DrivingScope(const DrivingScope&) = delete;
   DrivingScope& operator=(const DrivingScope&) = delete;
 
-  // One non-blocking step of every loop: kRan if any ran something, else
-  // kPolled if any asked the kernel, else kNothing (also when this wait
-  // drives no loop).
-  DriveStep driveOnce();
+  // One non-blocking step of every loop; true if any ran something.
+  bool driveOnce();
   // Sleeps in the loop until `done()`, when this wait drives exactly one
   // loop and no other thread sleeps there; returns at once otherwise, or
   // when the loop closes to drivers. `addWake` is given the function that

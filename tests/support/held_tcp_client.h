@@ -107,7 +107,7 @@ bool driveUntil(Done done, std::chrono::milliseconds limit) {
   detail::DrivingScope driving;
   const auto deadline = Clock::now() + limit;
   while (!done() && Clock::now() < deadline) {
-    if (driving.driveOnce() != detail::DriveStep::kRan) {
+    if (!driving.driveOnce()) {
       std::this_thread::yield();
     }
   }

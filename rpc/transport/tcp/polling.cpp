@@ -142,12 +142,10 @@ bool IoPolling::holdsSends() const {
 void IoPolling::run() {
   PollingSlot slot;
   EventLoopThreadScope loopThread;
-  PollerYields yields;
   while (!io_.stopped()) {
     if (driversActive()) {
       slot.release();
       standByForDrivers();
-      yields.newStretch();
       continue;
     }
     // The loop is this thread's again: the next stretch of drives starts
@@ -157,24 +155,18 @@ void IoPolling::run() {
       standByPeriod_.store(kStandByWait, std::memory_order_relaxed);
     }
     if (io_.poll() > 0) {
-      yields.newStretch();
       continue;
     }
     // Note [Spinning on a busy machine]: on a contended CPU, sleep in the
-    // kernel, where the next message wakes this thread. Note [Pollers
-    // yield every few microseconds]: a poll that could not ask the kernel
-    // (another io thread, or a driver, asleep in the loop holds the
-    // reactor) yields each time.
+    // kernel, where the next message wakes this thread.
     if (keepPolling() && !io_.stopped() && slot.take() &&
-        (reactorAsleepElsewhere() ? yieldUnlessContended()
-                                  : yields.afterEmptyPoll())) {
+        yieldUnlessContended()) {
       continue;
     }
     slot.release();
     if (sleepUntilWork() == 0) {
       return; // stopped, or no work left
     }
-    yields.newStretch();
   }
 }
 
@@ -328,12 +320,12 @@ void IoPolling::wakeBlockedDriver() {
   }
 }
 
-DriveStep IoPolling::driveOnce() {
+bool IoPolling::driveOnce() {
   CountedIn running(drivesRunning_);
   // Checked after counting in: closeToDrivers() sets the flag, then waits
   // for the count, so no drive starts after it returned.
   if (closedToDrivers_.load() || io_.stopped()) {
-    return DriveStep::kNothing;
+    return false;
   }
   try {
     // One handler per step, not poll()'s all-ready: the waiter checks its
@@ -341,17 +333,12 @@ DriveStep IoPolling::driveOnce() {
     // epoll_wait) that finds nothing, on the answer's path (Note [A waiter
     // leaves its next read to the loop] in tcp/connection.h).
     InDriveStep step;
-    if (io_.poll_one() > 0) {
-      return DriveStep::kRan;
-    }
+    return io_.poll_one() > 0;
   } catch (const std::exception& e) {
     TORCHRPC_LOG(kError) << "TcpTransport: callback threw on a thread "
                          << "waiting for a reply: " << e.what();
-    return DriveStep::kRan;
+    return true;
   }
-  // Asio runs the reactor (epoll_wait) only for a thread that can take
-  // it; one asleep in the loop holds it.
-  return reactorAsleepElsewhere() ? DriveStep::kNothing : DriveStep::kPolled;
 }
 
 void IoPolling::endDriving(bool answered) {

@@ -12,8 +12,6 @@
 #include <memory>
 #include <mutex>
 
-#include "torchrpc/rpc/detail/wait_drivers.h"
-
 namespace boost {
 namespace asio {
 class io_context;
@@ -31,12 +29,10 @@ namespace tcp {
 // waking it (and its idle vCPU) costs tens to hundreds of microseconds per
 // message, more the longer it slept. When polling is on, an io thread
 // that finds nothing ready keeps polling instead (a zero-timeout
-// epoll_wait, yielding the CPU every few microseconds: Note [Pollers yield
-// every few microseconds] in rpc/detail/busy_wait.h) while the last data
-// frame is younger than pollAfterTraffic (a conversation's next message is
-// likely near), or younger than pollWhileAwaiting while this process
-// awaits replies (its callers are blocked anyway). Then it sleeps as
-// before.
+// epoll_wait, yielding the CPU in between) while the last data frame is
+// younger than pollAfterTraffic (a conversation's next message is likely
+// near), or younger than pollWhileAwaiting while this process awaits
+// replies (its callers are blocked anyway). Then it sleeps as before.
 // Heartbeats do not count as traffic, so an idle worker uses no CPU; a
 // busy one spends up to a core on lower latency (one io thread per
 // process polls at a time). bench/RESULTS.md has the measurements. When
@@ -101,9 +97,9 @@ class IoPolling {
   // reactor a driver would need. Once closed to drivers, the count no
   // longer keeps the io thread standing by.
   void beginDriving();
-  // io.poll_one() on the calling thread (DriveStep says what it did).
+  // io.poll_one() on the calling thread; true if it ran a handler.
   // Handlers' exceptions are logged, not thrown into the waiter.
-  DriveStep driveOnce();
+  bool driveOnce();
   void endDriving(bool answered);
   // io.run_one_for(timeout) on the calling thread, the one thread allowed
   // to sleep in the loop as a driver; true if it slept (Note [Waiting
@@ -119,10 +115,6 @@ class IoPolling {
   // No thread drives once this returns (bounded: a drive step runs only
   // ready handlers, which must not block).
   void closeToDrivers();
-  // Io threads asleep in the loop, in run_one() (for tests).
-  int sleepingIoThreads() const {
-    return sleepingIoThreads_.load();
-  }
   // How often the io thread stood by for a driver (for tests).
   uint64_t standBys() const {
     return standBys_.load(std::memory_order_relaxed);
@@ -145,13 +137,6 @@ class IoPolling {
   // to wait with it (any thread).
   void shortenStandBy();
   bool driversActive() const;
-  // Whether a thread asleep in the loop (an io thread in run_one(), a
-  // driver in driveBlocking()) holds the reactor, so that a poll by
-  // another thread finds nothing without asking the kernel.
-  bool reactorAsleepElsewhere() const {
-    return sleepingIoThreads_.load(std::memory_order_relaxed) > 0 ||
-        blockedDriver_.load(std::memory_order_relaxed);
-  }
   // io.run_one(), counted in sleepingIoThreads_ meanwhile.
   size_t sleepUntilWork();
 

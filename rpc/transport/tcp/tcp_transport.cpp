@@ -54,7 +54,7 @@ class TcpWaitDriver : public WaitDriver {
   void beginDriving() override {
     context_->polling.beginDriving();
   }
-  DriveStep driveOnce() override {
+  bool driveOnce() override {
     return context_->polling.driveOnce();
   }
   void endDriving(bool answered) override {

@@ -1,6 +1,5 @@
 // Note [Spinning on a busy machine]: a yield that hands the CPU to another
-// thread for long stops the process's spinning for a while. Note [Pollers
-// yield every few microseconds]: pollers pace their yields.
+// thread for long stops the process's spinning for a while.
 
 #include <gtest/gtest.h>
 #include <pthread.h>
@@ -10,7 +9,6 @@
 #include <chrono>
 #include <thread>
 
-#include "tests/support/no_contention_backoff.h"
 #include "torchrpc/rpc/detail/busy_wait.h"
 
 namespace torchrpc {
@@ -78,8 +76,6 @@ TEST(BusyWaitTest, AYieldToAThreadThatWantsTheCpuStopsSpinning) {
   // Read before the hog stops: its join may take a while on a busy machine.
   const bool contendedAfter = cpuContended();
   const bool yieldedAfter = yieldUnlessContended();
-  PollerYields poller;
-  const bool pollerSpinsOn = poller.afterEmptyPoll();
   stop = true;
   hog.join();
   ASSERT_TRUE(gaveWay) << "no two yields took over " << kContendedYield.count()
@@ -88,55 +84,10 @@ TEST(BusyWaitTest, AYieldToAThreadThatWantsTheCpuStopsSpinning) {
   // The back-off: nobody spins.
   EXPECT_TRUE(contendedAfter);
   EXPECT_FALSE(yieldedAfter);
-  // A poller stops at once too, without a yield.
-  EXPECT_FALSE(pollerSpinsOn);
-  EXPECT_EQ(poller.yields(), 0);
   EXPECT_EQ(contendedBackoffs(), before + 1); // no yield was made
   // ... and it ends.
   std::this_thread::sleep_for(kContendedBackoff + 20ms);
   EXPECT_FALSE(cpuContended());
-}
-
-// Note [Pollers yield every few microseconds]: a poller that finds nothing
-// again and again yields once per kPollerYieldEvery, not after each poll.
-TEST(BusyWaitTest, APollerYieldsOncePerIntervalOfEmptyPolls) {
-  torchrpc::testing::NoContentionBackoff noBackoff;
-  PollerYields poller;
-  int64_t polls = 0;
-  const auto start = Clock::now();
-  const auto end = start + 20ms;
-  while (Clock::now() < end) {
-    ASSERT_TRUE(poller.afterEmptyPoll());
-    ++polls;
-  }
-  const auto elapsed = Clock::now() - start;
-  EXPECT_GE(poller.yields(), 1);
-  // One yield per interval at most: the stretch's first poll does not
-  // yield, and each yield restarts the interval.
-  EXPECT_LE(poller.yields(), elapsed / kPollerYieldEvery + 1);
-  // Many polls between two yields (a poll here costs well under the
-  // interval); after each poll would make these equal.
-  EXPECT_GT(polls, 2 * poller.yields());
-}
-
-// Work found, or a sleep, starts a new stretch: its first empty poll does
-// not yield, however long ago the last yield was; one kPollerYieldEvery
-// later, one does.
-TEST(BusyWaitTest, AStretchOfEmptyPollsYieldsOnlyAfterTheInterval) {
-  torchrpc::testing::NoContentionBackoff noBackoff;
-  PollerYields poller;
-  EXPECT_TRUE(poller.afterEmptyPoll());
-  EXPECT_EQ(poller.yields(), 0);
-  std::this_thread::sleep_for(1ms);
-  EXPECT_TRUE(poller.afterEmptyPoll());
-  EXPECT_EQ(poller.yields(), 1);
-  poller.newStretch();
-  std::this_thread::sleep_for(1ms);
-  EXPECT_TRUE(poller.afterEmptyPoll());
-  EXPECT_EQ(poller.yields(), 1);
-  std::this_thread::sleep_for(1ms);
-  EXPECT_TRUE(poller.afterEmptyPoll());
-  EXPECT_EQ(poller.yields(), 2);
 }
 
 } // namespace

@@ -7,7 +7,6 @@
 #include <ATen/ATen.h>
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
-#include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/post.hpp>
 #include <gtest/gtest.h>
 
@@ -85,49 +84,6 @@ TEST(TcpIoPolling, NoPollingWhileASenderCopiesALargeTensorIn) {
   } catch (const std::runtime_error&) {
   }
   EXPECT_TRUE(polling.keepPolling());
-}
-
-// Note [Pollers yield every few microseconds] (rpc/detail/busy_wait.h): a
-// drive step that found nothing says whether it could ask the kernel, for
-// the waiter to pace its yields by. While an io thread sleeps in the loop,
-// in epoll, it holds the reactor, and a step cannot.
-TEST(TcpIoPolling, ADriveStepSaysWhetherItCouldAskTheKernel) {
-  boost::asio::io_context io;
-  auto work = boost::asio::make_work_guard(io);
-  // A socket makes the loop's reactor (epoll), as a transport's do.
-  boost::asio::ip::tcp::socket socket(io);
-  // Polling on, but no traffic: an io thread that runs the loop sleeps in
-  // it.
-  detail::tcp::IoPolling polling(io, std::chrono::seconds(1), 0us);
-  polling.beginDriving();
-  EXPECT_EQ(polling.driveOnce(), detail::DriveStep::kPolled);
-  boost::asio::post(io, []() {});
-  EXPECT_EQ(polling.driveOnce(), detail::DriveStep::kRan);
-  polling.endDriving(/*answered=*/true);
-
-  // Past the drivers' linger, the io thread no longer stands by for them.
-  std::this_thread::sleep_for(50ms);
-  std::thread ioThread([&]() { polling.run(); });
-  const bool asleep = torchrpc::testing::eventually(
-      [&]() { return polling.sleepingIoThreads() == 1; },
-      10s);
-  polling.beginDriving();
-  const detail::DriveStep whileAsleep = polling.driveOnce();
-  polling.endDriving(/*answered=*/true);
-  work.reset();
-  io.stop();
-  ioThread.join();
-  ASSERT_TRUE(asleep);
-  EXPECT_EQ(whileAsleep, detail::DriveStep::kNothing);
-
-  // A loop closed to drivers runs nothing, and asks nothing (restarted
-  // first: a stopped loop would say so anyway).
-  io.restart();
-  boost::asio::post(io, []() {});
-  polling.closeToDrivers();
-  polling.beginDriving();
-  EXPECT_EQ(polling.driveOnce(), detail::DriveStep::kNothing);
-  polling.endDriving(/*answered=*/true);
 }
 
 // Note [Waiting callers drive the transport]: while waiters drive, the io

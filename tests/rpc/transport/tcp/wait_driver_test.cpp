@@ -76,7 +76,7 @@ TEST(TcpWaitDriver, AReadAWaiterLeftIsStartedByTheNextWaitOrTheIoThread) {
     EXPECT_EQ(c.readBy, std::this_thread::get_id());
     if (i < 3) {
       detail::DrivingScope next;
-      EXPECT_EQ(next.driveOnce(), detail::DriveStep::kRan) << "answer " << i;
+      EXPECT_TRUE(next.driveOnce()) << "answer " << i;
       next.end(true);
     }
   }
@@ -163,7 +163,7 @@ TEST(TcpWaitDriver, AfterAQuietSpellTheIoThreadReadsTheWaitersAnswer) {
     c.serverTalk->send(makeMessage("answer"), [](const TransportError*) {});
     const auto deadline = Clock::now() + kTimeout;
     while (c.received.load() < i && Clock::now() < deadline) {
-      if (driving.driveOnce() != detail::DriveStep::kRan) {
+      if (!driving.driveOnce()) {
         std::this_thread::yield();
       }
     }
