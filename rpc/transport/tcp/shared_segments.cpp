@@ -4,19 +4,14 @@
 #include <c10/core/Storage.h>
 #include <c10/util/Exception.h>
 
-#include <fcntl.h>
-#include <linux/magic.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
-#include <sys/vfs.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstring>
 #include <utility>
 
 #include "torchrpc/rpc/transport/receive_buffer_pool.h"
+#include "torchrpc/rpc/transport/tcp/memfd.h"
 
 namespace torchrpc {
 namespace rpc {
@@ -24,8 +19,6 @@ namespace detail {
 namespace tcp {
 
 namespace {
-
-constexpr unsigned kSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
 
 // The flags of a segment's header page: in use (the first u32) and
 // retired (the second: its sender freed it, so a receiver's idle mapping
@@ -38,10 +31,6 @@ std::atomic<uint32_t>* inUseFlag(void* base) {
 
 std::atomic<uint32_t>* retiredFlag(void* base) {
   return reinterpret_cast<std::atomic<uint32_t>*>(base) + 1;
-}
-
-std::string errnoText(const char* what, int error) {
-  return std::string(what) + ": " + std::strerror(error);
 }
 
 } // namespace
@@ -80,8 +69,8 @@ void SegmentSender::destroy(Segment& segment) {
   // The receiver's mapping, if any, keeps the memory until it unmaps; the
   // flag tells it to unmap first when idle.
   retiredFlag(segment.base)->store(1, std::memory_order_release);
-  ::munmap(segment.base, segment.bytes);
-  ::close(segment.fd);
+  OwnMemfd memfd{segment.fd, segment.base, segment.bytes};
+  destroyMemfd(memfd);
   chargedBytes_->fetch_sub(segment.bytes, std::memory_order_relaxed);
 }
 
@@ -121,31 +110,15 @@ SegmentSender::Segment* SegmentSender::acquireLocked(size_t capacity) {
     chargedBytes_->fetch_sub(bytes, std::memory_order_relaxed);
     return nullptr;
   }
+  const OwnMemfd memfd = createSealedMemfd("torchrpc-segment", bytes);
+  if (memfd.fd < 0) {
+    chargedBytes_->fetch_sub(bytes, std::memory_order_relaxed);
+    return nullptr;
+  }
   auto segment = std::make_unique<Segment>();
-  segment->bytes = bytes;
-  segment->fd =
-      ::memfd_create("torchrpc-segment", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (segment->fd < 0 ||
-      ::ftruncate(segment->fd, static_cast<off_t>(bytes)) != 0 ||
-      ::fcntl(segment->fd, F_ADD_SEALS, kSeals) != 0) {
-    if (segment->fd >= 0) {
-      ::close(segment->fd);
-    }
-    chargedBytes_->fetch_sub(bytes, std::memory_order_relaxed);
-    return nullptr;
-  }
-  segment->base = ::mmap(
-      nullptr,
-      bytes,
-      PROT_READ | PROT_WRITE,
-      MAP_SHARED,
-      segment->fd,
-      0);
-  if (segment->base == MAP_FAILED) {
-    ::close(segment->fd);
-    chargedBytes_->fetch_sub(bytes, std::memory_order_relaxed);
-    return nullptr;
-  }
+  segment->fd = memfd.fd;
+  segment->base = memfd.base;
+  segment->bytes = memfd.bytes;
   segment->id = nextId_++;
   segment->inUse().store(1, std::memory_order_relaxed);
   segments_.push_back(std::move(segment));
@@ -273,51 +246,21 @@ std::string SegmentReceiver::view(
     if (placement.fd < 0) {
       return "bad shared segment descriptor";
     }
-    const std::string path = "/proc/" + std::to_string(peerPid) + "/fd/" +
-        std::to_string(placement.fd);
-    int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-    if (fd < 0) {
-      return errnoText("cannot open the peer's shared segment", errno);
-    }
-    struct statfs fs {};
-    struct stat st {};
-    int seals = ::fcntl(fd, F_GET_SEALS);
-    std::string refusal;
-    if (::fstatfs(fd, &fs) != 0 || fs.f_type != TMPFS_MAGIC) {
-      refusal = "shared segment is not a memfd on tmpfs";
-    } else if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
-      refusal = "shared segment is not sealed against shrinking";
-    } else if (
-        ::fstat(fd, &st) != 0 || st.st_size < 0 ||
-        static_cast<uint64_t>(st.st_size) < kSegmentDataOffset) {
-      refusal = "shared segment is too small";
-    } else if (static_cast<uint64_t>(st.st_size) > maxSegmentBytes_) {
-      // Address space, not memory, but a peer gets no more of it than a
-      // segment for the largest tensor we accept.
-      refusal =
-          "shared segment is larger than any tensor this connection "
-          "accepts";
-    }
-    void* base = MAP_FAILED;
-    if (refusal.empty()) {
-      base = ::mmap(
-          nullptr,
-          static_cast<size_t>(st.st_size),
-          PROT_READ | PROT_WRITE,
-          MAP_SHARED,
-          fd,
-          0);
-      if (base == MAP_FAILED) {
-        refusal = errnoText("cannot map the peer's shared segment", errno);
-      }
-    }
-    ::close(fd);
+    const PeerMemfdLimits limits{
+        "shared segment",
+        kSegmentDataOffset,
+        maxSegmentBytes_,
+        "shared segment is larger than any tensor this connection accepts"};
+    void* base = nullptr;
+    size_t bytes = 0;
+    const std::string refusal =
+        mapPeerMemfd(peerPid, placement.fd, limits, base, bytes);
     if (!refusal.empty()) {
       return refusal;
     }
     auto mapping = std::make_shared<Mapping>();
     mapping->base = base;
-    mapping->bytes = static_cast<size_t>(st.st_size);
+    mapping->bytes = bytes;
     // Before the insertion: it must not evict the mapping we return.
     evictIdle();
     it = mapped_.emplace(placement.segment, std::move(mapping)).first;

@@ -1,0 +1,279 @@
+#include "torchrpc/rpc/transport/tcp/shared_ring.h"
+
+#include <c10/util/Exception.h>
+
+#include <sys/mman.h>
+
+#include <atomic>
+#include <cstring>
+#include <utility>
+
+namespace torchrpc {
+namespace rpc {
+namespace detail {
+namespace tcp {
+
+namespace {
+
+// The reader's states (the header's `reader` word).
+constexpr uint32_t kPolling = 0;
+constexpr uint32_t kAsleep = 1;
+constexpr uint32_t kBelled = 2;
+
+constexpr size_t kMinCapacity = 4096;
+
+// The header's words, each on its own cache line so that the writer's
+// stores to `tail` do not evict the line the reader stores `head` to.
+// Lock-free, so they work across processes mapping the same page.
+static_assert(
+    std::atomic<uint64_t>::is_always_lock_free &&
+        std::atomic<uint32_t>::is_always_lock_free,
+    "atomics shared between processes must be lock-free");
+
+std::atomic<uint64_t>& tailWord(void* base) {
+  return *reinterpret_cast<std::atomic<uint64_t>*>(base);
+}
+std::atomic<uint64_t>& headWord(void* base) {
+  return *reinterpret_cast<std::atomic<uint64_t>*>(
+      static_cast<char*>(base) + 64);
+}
+std::atomic<uint32_t>& readerWord(void* base) {
+  return *reinterpret_cast<std::atomic<uint32_t>*>(
+      static_cast<char*>(base) + 128);
+}
+
+bool powerOfTwo(size_t n) {
+  return n != 0 && (n & (n - 1)) == 0;
+}
+
+size_t padded(size_t length) {
+  return kRingRecordHeaderBytes + ((length + 7) & ~size_t(7));
+}
+
+// Copies `length` bytes at ring position `at` (any u64) of a data area of
+// `capacity` bytes, across its end if need be.
+void copyOut(
+    const char* data,
+    size_t capacity,
+    uint64_t at,
+    void* to,
+    size_t length) {
+  const size_t offset = static_cast<size_t>(at & (capacity - 1));
+  const size_t first = std::min(length, capacity - offset);
+  std::memcpy(to, data + offset, first);
+  std::memcpy(static_cast<char*>(to) + first, data, length - first);
+}
+
+void copyIn(
+    char* data,
+    size_t capacity,
+    uint64_t at,
+    const void* from,
+    size_t length) {
+  const size_t offset = static_cast<size_t>(at & (capacity - 1));
+  const size_t first = std::min(length, capacity - offset);
+  std::memcpy(data + offset, from, first);
+  std::memcpy(data, static_cast<const char*>(from) + first, length - first);
+}
+
+} // namespace
+
+// ---- Writer ----
+
+SharedRingWriter::SharedRingWriter(OwnMemfd memfd, size_t capacity)
+    : memfd_(memfd),
+      capacity_(capacity),
+      data_(static_cast<char*>(memfd.base) + kRingHeaderBytes) {}
+
+std::unique_ptr<SharedRingWriter> SharedRingWriter::create(
+    size_t capacity,
+    std::string& why) {
+  TORCH_CHECK(
+      powerOfTwo(capacity) && capacity >= kMinCapacity,
+      "a shared ring's capacity must be a power of two of at least ",
+      kMinCapacity,
+      " bytes, not ",
+      capacity);
+  OwnMemfd memfd = createSealedMemfd("torchrpc-ring", ringBytesFor(capacity));
+  if (memfd.fd < 0) {
+    why = std::string("cannot make a shared ring: ") + std::strerror(errno);
+    return nullptr;
+  }
+  // A new memfd reads as zeros: tail 0, head 0, the reader polling until
+  // it says otherwise.
+  return std::unique_ptr<SharedRingWriter>(
+      new SharedRingWriter(memfd, capacity));
+}
+
+SharedRingWriter::~SharedRingWriter() {
+  destroyMemfd(memfd_);
+}
+
+size_t SharedRingWriter::pendingBytes() const {
+  return static_cast<size_t>(
+      tail_ - headWord(memfd_.base).load(std::memory_order_acquire));
+}
+
+SharedRingWriter::Push SharedRingWriter::push(
+    const void* bytes,
+    size_t length,
+    uint64_t tag) {
+  if (!why_.empty()) {
+    return Push::kCorrupt;
+  }
+  if (length > maxRecordBytes()) {
+    return Push::kTooLarge;
+  }
+  const uint64_t head = headWord(memfd_.base).load(std::memory_order_acquire);
+  // Unsigned: a head ahead of our tail wraps to a huge count.
+  const uint64_t used = tail_ - head;
+  if (used > capacity_) {
+    why_ = "the reader's position in the shared ring is impossible (" +
+        std::to_string(head) + " against " + std::to_string(tail_) +
+        " written)";
+    return Push::kCorrupt;
+  }
+  const size_t need = padded(length);
+  if (need > capacity_ - used) {
+    return Push::kFull;
+  }
+  unsigned char header[kRingRecordHeaderBytes] = {};
+  const uint32_t length32 = static_cast<uint32_t>(length);
+  std::memcpy(header, &length32, sizeof(length32));
+  std::memcpy(header + 8, &tag, sizeof(tag));
+  copyIn(data_, capacity_, tail_, header, sizeof(header));
+  copyIn(data_, capacity_, tail_ + kRingRecordHeaderBytes, bytes, length);
+  tail_ += need;
+  tailWord(memfd_.base).store(tail_, std::memory_order_release);
+  // Pairs with the fence in goingToSleep(): either the reader sees this
+  // record after marking itself asleep, or we see the mark.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  std::atomic<uint32_t>& reader = readerWord(memfd_.base);
+  uint32_t state = reader.load(std::memory_order_relaxed);
+  if (state == kAsleep &&
+      reader
+          .compare_exchange_strong(state, kBelled, std::memory_order_relaxed)) {
+    return Push::kPushedRingBell;
+  }
+  return Push::kPushed;
+}
+
+// ---- Reader ----
+
+SharedRingReader::SharedRingReader(void* base, size_t bytes)
+    : base_(base),
+      bytes_(bytes),
+      capacity_(bytes - kRingHeaderBytes),
+      data_(static_cast<const char*>(base) + kRingHeaderBytes) {}
+
+SharedRingReader::~SharedRingReader() {
+  ::munmap(base_, bytes_);
+}
+
+namespace {
+
+PeerMemfdLimits ringLimits(size_t maxCapacity) {
+  return PeerMemfdLimits{
+      "shared ring",
+      ringBytesFor(kMinCapacity),
+      ringBytesFor(maxCapacity),
+      "shared ring is larger than this connection accepts"};
+}
+
+} // namespace
+
+std::unique_ptr<SharedRingReader> SharedRingReader::fromMapping(
+    std::string refusal,
+    void* base,
+    size_t bytes,
+    std::string& why) {
+  if (refusal.empty() && !powerOfTwo(bytes - kRingHeaderBytes)) {
+    ::munmap(base, bytes);
+    refusal = "shared ring's data area is not a power of two";
+  }
+  if (!refusal.empty()) {
+    why = std::move(refusal);
+    return nullptr;
+  }
+  return std::unique_ptr<SharedRingReader>(new SharedRingReader(base, bytes));
+}
+
+std::unique_ptr<SharedRingReader> SharedRingReader::mapPeer(
+    pid_t peerPid,
+    int fd,
+    size_t maxCapacity,
+    std::string& why) {
+  void* base = nullptr;
+  size_t bytes = 0;
+  std::string refusal =
+      mapPeerMemfd(peerPid, fd, ringLimits(maxCapacity), base, bytes);
+  return fromMapping(std::move(refusal), base, bytes, why);
+}
+
+std::unique_ptr<SharedRingReader> SharedRingReader::mapOwn(
+    int fd,
+    size_t maxCapacity,
+    std::string& why) {
+  void* base = nullptr;
+  size_t bytes = 0;
+  std::string refusal =
+      mapCheckedMemfd(fd, ringLimits(maxCapacity), base, bytes);
+  return fromMapping(std::move(refusal), base, bytes, why);
+}
+
+SharedRingReader::Read SharedRingReader::peek(uint64_t& tag, size_t& length) {
+  peeked_ = false;
+  if (!why_.empty()) {
+    return Read::kCorrupt;
+  }
+  const uint64_t tail = tailWord(base_).load(std::memory_order_acquire);
+  const uint64_t published = tail - head_;
+  if (published == 0) {
+    return Read::kEmpty;
+  }
+  if (published > capacity_ || published < kRingRecordHeaderBytes) {
+    why_ = "the writer's position in the shared ring is impossible (" +
+        std::to_string(tail) + " against " + std::to_string(head_) + " read)";
+    return Read::kCorrupt;
+  }
+  unsigned char header[kRingRecordHeaderBytes];
+  copyOut(data_, capacity_, head_, header, sizeof(header));
+  uint32_t length32 = 0;
+  std::memcpy(&length32, header, sizeof(length32));
+  std::memcpy(&tag, header + 8, sizeof(tag));
+  if (length32 > maxRecordBytes() || padded(length32) > published) {
+    why_ = "a record in the shared ring claims " + std::to_string(length32) +
+        " bytes, more than the " +
+        std::to_string(published - kRingRecordHeaderBytes) + " published";
+    return Read::kCorrupt;
+  }
+  length = length32;
+  peekedLength_ = length32;
+  peeked_ = true;
+  return Read::kRecord;
+}
+
+void SharedRingReader::take(void* out) {
+  TORCH_INTERNAL_ASSERT(peeked_, "SharedRingReader::take() without peek()");
+  copyOut(data_, capacity_, head_ + kRingRecordHeaderBytes, out, peekedLength_);
+  head_ += padded(peekedLength_);
+  peeked_ = false;
+  headWord(base_).store(head_, std::memory_order_release);
+}
+
+void SharedRingReader::polling() {
+  readerWord(base_).store(kPolling, std::memory_order_relaxed);
+}
+
+bool SharedRingReader::goingToSleep() {
+  readerWord(base_).store(kAsleep, std::memory_order_relaxed);
+  // Pairs with the writer's fence after publishing (Note [Shared rings for
+  // small frames]).
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  return tailWord(base_).load(std::memory_order_acquire) == head_;
+}
+
+} // namespace tcp
+} // namespace detail
+} // namespace rpc
+} // namespace torchrpc
