@@ -1209,6 +1209,7 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     out.transport.copiedBytes = transport.copiedBytes;
     out.transport.reads = transport.reads;
     out.transport.helperCopiedBytes = transport.helperCopiedBytes;
+    out.transport.ringMessages = transport.ringFrames;
     out.transport.connectionsOpen = transport.connectionsOpen;
     out.transport.localConnectionsOpen = transport.localConnectionsOpen;
     out.transport.heartbeatMisses = transport.heartbeatMisses;

@@ -457,6 +457,12 @@ std::string formatPrometheus(const Metrics& m) {
        "counter")
       .sample(transport, static_cast<double>(m.transport.reads));
   e.family(
+       "torchrpc_transport_ring_messages_total",
+       "Messages received through a shared memory ring rather than a socket "
+       "(TCP, peers on this host).",
+       "counter")
+      .sample(transport, static_cast<double>(m.transport.ringMessages));
+  e.family(
        "torchrpc_thread_pool_threads",
        "Threads of the handler pool.",
        "gauge")
@@ -578,7 +584,8 @@ std::string formatMetricsText(const Metrics& m) {
       << " over local sockets), zero-copy bytes " << m.transport.zeroCopyBytes
       << ", copied bytes " << m.transport.copiedBytes << " (by the copy helper "
       << m.transport.helperCopiedBytes << "), heartbeat misses "
-      << m.transport.heartbeatMisses << ", reads " << m.transport.reads << "\n";
+      << m.transport.heartbeatMisses << ", reads " << m.transport.reads
+      << ", ring messages " << m.transport.ringMessages << "\n";
   for (const auto& layer : m.layers) {
     out << layer.layer << ":\n";
     if (layer.values.empty()) {

@@ -117,6 +117,9 @@ struct TransportMetrics {
   // Of copiedBytes, those the copy helper copied beside the sending thread
   // (TCP's shared memory; Options::copyHelperMinBytes).
   uint64_t helperCopiedBytes = 0;
+  // Messages received through a shared memory ring rather than a socket
+  // (TCP, peers on this host; Options::sharedRingBytes).
+  uint64_t ringMessages = 0;
 };
 
 // The pool that runs handlers and continuations.

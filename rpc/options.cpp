@@ -115,6 +115,8 @@ Options Options::fromEnvironment() {
       options.sharedMemoryMaxBytes);
   options.copyHelperMinBytes =
       envBytes("TORCHRPC_COPY_HELPER_MIN_BYTES", options.copyHelperMinBytes);
+  options.sharedRingBytes =
+      envBytes("TORCHRPC_SHARED_RING_BYTES", options.sharedRingBytes);
   if (const char* transport = env("TORCHRPC_TRANSPORT")) {
     std::string name = transport;
     if (name == "tcp") {

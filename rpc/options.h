@@ -143,6 +143,16 @@ struct Options {
   bool sameHostTransfers = true;
   size_t sharedMemoryMaxBytes = size_t(1) << 30;
   size_t copyHelperMinBytes = size_t(1) << 20;
+  // kTcp only, with shared memory on both sides: a worker whose io thread
+  // polls (ioPollAfterTraffic or ioPollWhileAwaiting above 0) gives each
+  // connection from a worker of its host a ring of sharedRingBytes (a
+  // power of two from 4096 to 16 MiB; 0: none) in shared memory, counted
+  // in its sharedMemoryMaxBytes, and the peer writes its messages of up to
+  // a quarter of that (and 32 tensors) there instead of to the socket:
+  // while this worker polls, they arrive without a system call on either
+  // side. See Note [Shared rings for small frames] in
+  // rpc/transport/tcp/shared_ring.h.
+  size_t sharedRingBytes = size_t(256) << 10;
 
   // Per destination worker name: where tensors land there.
   std::map<std::string, DeviceMap> deviceMaps;

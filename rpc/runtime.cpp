@@ -89,6 +89,7 @@ std::unique_ptr<Transport> makeTransport(
     tcp.localSockets = options.sameHostTransfers;
     tcp.sharedMemoryMaxBytes = options.sharedMemoryMaxBytes;
     tcp.parallelCopyMinBytes = options.copyHelperMinBytes;
+    tcp.sharedRingBytes = options.sharedRingBytes;
     return std::make_unique<detail::TcpTransport>(std::move(tcp));
   }
   detail::TensorPipeTransportOptions tp;

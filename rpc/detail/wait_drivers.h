@@ -62,6 +62,10 @@ namespace detail {
 // A waiter can do neither while the io thread is asleep in the loop, in
 // epoll, where it holds the reactor: the waiter's polls find nothing, it
 // sleeps on its future, and the io thread reads the answer and wakes it.
+// (An answer that comes through a shared ring needs no reactor: the
+// waiter's polls look at the rings and post its drain, which the waiter
+// runs unless the io thread, woken by that post, gets to it first; Note
+// [Rings while the loop polls] in tcp/ring_watch.h.)
 // That is the usual case after a quiet spell longer than the io thread's
 // polling (Note [Polling after traffic]): the wake-up that the call's own
 // send posts to it (noteSend()) is an empty handler, which the waiter's

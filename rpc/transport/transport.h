@@ -62,6 +62,9 @@ struct TransportStats {
   // Of copiedBytes, those a helper thread copied beside the sending thread
   // (TCP's shared segments: Note [Copies into shared memory on two cores]).
   uint64_t helperCopiedBytes = 0;
+  // Messages received through shared memory rather than a socket (TCP's
+  // Note [Shared rings for small frames]).
+  uint64_t ringFrames = 0;
 };
 
 // One bidirectional, ordered message stream to a peer.

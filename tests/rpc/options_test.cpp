@@ -161,7 +161,8 @@ class SameHostOptionsFromEnvironment : public ::testing::Test {
   testing::ScopedEnv sameHost_{
       "TORCHRPC_SAME_HOST",
       "TORCHRPC_SHARED_MEMORY_MAX_BYTES",
-      "TORCHRPC_COPY_HELPER_MIN_BYTES"};
+      "TORCHRPC_COPY_HELPER_MIN_BYTES",
+      "TORCHRPC_SHARED_RING_BYTES"};
 };
 
 TEST_F(SameHostOptionsFromEnvironment, UnsetTheyAreTheDefaults) {
@@ -169,20 +170,25 @@ TEST_F(SameHostOptionsFromEnvironment, UnsetTheyAreTheDefaults) {
   EXPECT_TRUE(options.sameHostTransfers);
   EXPECT_EQ(options.sharedMemoryMaxBytes, size_t(1) << 30);
   EXPECT_EQ(options.copyHelperMinBytes, size_t(1) << 20);
+  EXPECT_EQ(options.sharedRingBytes, size_t(256) << 10);
 }
 
 TEST_F(SameHostOptionsFromEnvironment, EachSetsItsField) {
   ::setenv("TORCHRPC_SAME_HOST", "0", 1);
   ::setenv("TORCHRPC_SHARED_MEMORY_MAX_BYTES", "67108864", 1);
   ::setenv("TORCHRPC_COPY_HELPER_MIN_BYTES", "0", 1);
+  ::setenv("TORCHRPC_SHARED_RING_BYTES", "0", 1);
   rpc::Options options = rpc::Options::fromEnvironment();
+  EXPECT_EQ(options.sharedRingBytes, 0u);
   EXPECT_FALSE(options.sameHostTransfers);
   EXPECT_EQ(options.sharedMemoryMaxBytes, size_t(64) << 20);
   EXPECT_EQ(options.copyHelperMinBytes, 0u);
   ::setenv("TORCHRPC_SAME_HOST", "1", 1);
   ::setenv("TORCHRPC_SHARED_MEMORY_MAX_BYTES", "0", 1);
   ::setenv("TORCHRPC_COPY_HELPER_MIN_BYTES", "4194304", 1);
+  ::setenv("TORCHRPC_SHARED_RING_BYTES", "1048576", 1);
   options = rpc::Options::fromEnvironment();
+  EXPECT_EQ(options.sharedRingBytes, size_t(1) << 20);
   EXPECT_TRUE(options.sameHostTransfers);
   EXPECT_EQ(options.sharedMemoryMaxBytes, 0u);
   EXPECT_EQ(options.copyHelperMinBytes, size_t(4) << 20);
@@ -206,6 +212,10 @@ TEST_F(
   ::unsetenv("TORCHRPC_SHARED_MEMORY_MAX_BYTES");
   for (const char* text : {"-4096", "1MiB", "99999999999999999999"}) {
     expectRefusedNaming("TORCHRPC_COPY_HELPER_MIN_BYTES", text);
+  }
+  ::unsetenv("TORCHRPC_COPY_HELPER_MIN_BYTES");
+  for (const char* text : {"-1", "256K", "lots"}) {
+    expectRefusedNaming("TORCHRPC_SHARED_RING_BYTES", text);
   }
 }
 

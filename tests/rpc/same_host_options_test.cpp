@@ -1,9 +1,11 @@
 // The Runtime's same-host options (Options::sameHostTransfers,
-// sharedMemoryMaxBytes, copyHelperMinBytes) reach the TCP transport (tier
-// 2): two workers in this process, so on one host. Each test sends a large
-// tensor and checks where the callee found it (in a shared segment or not),
-// that it arrived exactly, and what the sender's metrics say its copy
-// helper did and which connections went over a local socket.
+// sharedMemoryMaxBytes, copyHelperMinBytes, sharedRingBytes) reach the TCP
+// transport (tier 2): two workers in this process, so on one host. Each
+// test sends a large tensor and checks where the callee found it (in a
+// shared segment or not), that it arrived exactly, and what the sender's
+// metrics say its copy helper did and which connections went over a local
+// socket; or sends small calls and counts those that came through a
+// shared ring.
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -12,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "tests/support/allowed_cpus.h"
 #include "tests/support/local_cluster.h"
@@ -153,6 +156,59 @@ TEST(SameHostOptions, WithoutTheCopyHelperTheSenderCopiesAlone) {
   EXPECT_GE(
       (*c)[0].metrics().transport.copiedBytes,
       uint64_t(20) * 4 * kBigElements);
+}
+
+// Small calls, as many as `calls`, from worker0 to worker1; returns how
+// many messages each worker received through a shared ring.
+std::pair<uint64_t, uint64_t> ringMessagesAfterCalls(
+    LocalCluster& c,
+    int calls) {
+  for (int i = 0; i < calls; ++i) {
+    const at::Tensor sent = at::full({3}, i, at::kFloat);
+    EXPECT_TRUE(
+        at::equal(c[0].rpcSync<at::Tensor>("worker1", "echo", sent), sent))
+        << i;
+  }
+  return {
+      c[0].metrics().transport.ringMessages,
+      c[1].metrics().transport.ringMessages};
+}
+
+TEST(SameHostOptions, ByDefaultSmallMessagesTravelThroughSharedRings) {
+  auto c = cluster(nullptr);
+  const auto [before0, before1] = ringMessagesAfterCalls(*c, 5);
+  const auto [after0, after1] = ringMessagesAfterCalls(*c, 50);
+  // Once the rings are offered (the first calls settle it), each request
+  // and each reply takes one.
+  EXPECT_GE(after1 - before1, 50u);
+  EXPECT_GE(after0 - before0, 50u);
+  rpc::Metrics m = (*c)[1].metrics();
+  EXPECT_NE(
+      rpc::formatPrometheus(m).find(
+          "torchrpc_transport_ring_messages_total{worker=\"worker1\","
+          "transport=\"tcp\"} " +
+          std::to_string(m.transport.ringMessages)),
+      std::string::npos);
+  EXPECT_NE(
+      rpc::formatMetricsText(m).find(
+          "ring messages " + std::to_string(m.transport.ringMessages)),
+      std::string::npos);
+}
+
+TEST(SameHostOptions, ARingIsOnlyWhereItsReaderPollsAndAllowsOne) {
+  // worker1 gives no ring (sharedRingBytes 0), worker0's io thread does
+  // not poll: neither receives through one.
+  auto c = cluster([](int rank, rpc::Options& o) {
+    if (rank == 1) {
+      o.sharedRingBytes = 0;
+    } else {
+      o.ioPollAfterTraffic = std::chrono::microseconds(0);
+      o.ioPollWhileAwaiting = std::chrono::microseconds(0);
+    }
+  });
+  const auto [ring0, ring1] = ringMessagesAfterCalls(*c, 30);
+  EXPECT_EQ(ring0, 0u);
+  EXPECT_EQ(ring1, 0u);
 }
 
 } // namespace

@@ -45,6 +45,10 @@ constexpr size_t kHoldMaxFrames = 32;
 // most calls per second; a reply waits behind at most 31 handlers.
 constexpr size_t kCorkMaxFrames = 32;
 
+// A frame goes through the peer's ring only if it has at most this many
+// pieces (prefix, body, a tensor each).
+constexpr size_t kMaxRingPieces = 34;
+
 } // namespace
 
 TcpConnectionImpl::TcpConnectionImpl(
@@ -67,6 +71,12 @@ TcpConnectionImpl::TcpConnectionImpl(
           context_->segmentBytes,
           context_->options.sharedMemoryMaxBytes,
           &context_->copier) {}
+
+TcpConnectionImpl::~TcpConnectionImpl() {
+  // Our ring dies with us (the watch let go of it when we failed); the
+  // peer's mapping keeps its pages until the peer unmaps.
+  context_->segmentBytes->fetch_sub(ringCharged_);
+}
 
 // ---- Any thread ----
 
@@ -204,7 +214,9 @@ void TcpConnectionImpl::send(Message&& message, Connection::SendCallback done) {
   }
   frame.body = std::move(message.header);
   frame.done = std::move(done);
-  enqueue(std::move(frame), /*isData=*/true);
+  // A frame with tensors by address or in segments stays on the socket:
+  // its acks and segment checks are the socket path's.
+  enqueue(std::move(frame), /*isData=*/true, /*mayUseRing=*/addresses.empty());
 }
 
 void TcpConnectionImpl::close(const std::string& why) {
@@ -420,6 +432,10 @@ void TcpConnectionImpl::reportFromLoop() {
   }
   handshakeTimer_.cancel();
   heartbeatTimer_.cancel();
+  if (ringWatchId_ != 0) {
+    context_->rings.remove(ringWatchId_);
+    ringWatchId_ = 0;
+  }
   context_->forget(id_);
   if (onError) {
     onError(error);
@@ -428,12 +444,15 @@ void TcpConnectionImpl::reportFromLoop() {
 
 // ---- Writing, on any thread ----
 
-void TcpConnectionImpl::enqueue(OutFrame frame, bool isData) {
+void TcpConnectionImpl::enqueue(OutFrame frame, bool isData, bool mayUseRing) {
   std::vector<OutFrame> completed;
   TransportError error;
   bool failedAlready = false;
   bool mustWait = false;
   int writeErrno = 0;
+  bool inRing = false;
+  bool rang = false;
+  std::string ringCorrupt;
   // Sent from this connection's own read loop while it parses a read: the
   // loop writes it with the rest (uncorkFromLoop). corked_ is read on the
   // strand only.
@@ -453,8 +472,24 @@ void TcpConnectionImpl::enqueue(OutFrame frame, bool isData) {
       // Data waits for the handshake.
       pendingData_.push_back(std::move(frame));
       return;
+    } else if (
+        mayUseRing && ringOut_ != nullptr &&
+        pushToRingLocked(frame, rang, ringCorrupt)) {
+      inRing = true;
+      // The bell goes now (with any frames held before it), unless a
+      // pending write or the read loop's uncork takes it.
+      if (rang && !waitingWritable_ &&
+          !(corked && queue_.size() < kCorkMaxFrames)) {
+        writeErrno = flushOrAwaitLocked(completed, &mustWait);
+      }
+    } else if (!ringCorrupt.empty()) {
+      failedAlready = true;
+      error = TransportError{
+          ErrorCode::kMalformedMessage,
+          "connection to " + describe_ + ": " + ringCorrupt};
     } else {
       queue_.push_back(std::move(frame));
+      ++socketFramesQueued_;
       if (waitingWritable_ || (corked && queue_.size() < kCorkMaxFrames)) {
         // Written by the pending write, or once the read is parsed.
       } else if (mayHold && queue_.size() < kHoldMaxFrames) {
@@ -469,6 +504,20 @@ void TcpConnectionImpl::enqueue(OutFrame frame, bool isData) {
     if (frame.done) {
       frame.done(&error);
     }
+    if (!ringCorrupt.empty()) {
+      fail(error);
+    }
+    return;
+  }
+  if (inRing) {
+    if (frame.done) {
+      frame.done(nullptr);
+    }
+    if (mustWait) {
+      auto self = shared_from_this();
+      runOnStrand([self]() { self->awaitWritableFromLoop(); });
+    }
+    finishWrites(completed, writeErrno);
     return;
   }
   if (post) {
@@ -481,6 +530,43 @@ void TcpConnectionImpl::enqueue(OutFrame frame, bool isData) {
     runOnStrand([self]() { self->awaitWritableFromLoop(); });
   }
   finishWrites(completed, writeErrno);
+}
+
+bool TcpConnectionImpl::pushToRingLocked(
+    OutFrame& frame,
+    bool& rang,
+    std::string& corrupt) {
+  // Larger frames are cheaper by socket (two copies either way, and the
+  // ring's room is for many small ones).
+  if (frame.total > ringFrameMaxBytes(ringOut_->capacity())) {
+    return false;
+  }
+  RingPiece pieces[kMaxRingPieces];
+  size_t count = 0;
+  pieces[count++] = RingPiece{frame.prefix.data(), frame.prefix.size()};
+  pieces[count++] = RingPiece{frame.body.data(), frame.body.size()};
+  for (const at::Tensor& tensor : frame.tensors) {
+    if (count == kMaxRingPieces) {
+      return false;
+    }
+    pieces[count++] = RingPiece{tensor.data_ptr(), tensor.nbytes()};
+  }
+  switch (ringOut_->push(pieces, count, socketFramesQueued_)) {
+    case SharedRingWriter::Push::kPushed:
+      break;
+    case SharedRingWriter::Push::kPushedRingBell:
+      queue_.push_back(controlFrame(FrameType::kRingBell));
+      ++socketFramesQueued_;
+      rang = true;
+      break;
+    case SharedRingWriter::Push::kCorrupt:
+      corrupt = ringOut_->why();
+      return false;
+    default:
+      return false; // full or too large: by socket
+  }
+  wroteSinceTick_ = true;
+  return true;
 }
 
 void TcpConnectionImpl::postFlush() {

@@ -30,6 +30,7 @@
 #include "torchrpc/rpc/transport/tcp/frame.h"
 #include "torchrpc/rpc/transport/tcp/handshake.h"
 #include "torchrpc/rpc/transport/tcp/same_host.h"
+#include "torchrpc/rpc/transport/tcp/shared_ring.h"
 #include "torchrpc/rpc/transport/tcp/shared_segments.h"
 #include "torchrpc/rpc/transport/transport.h"
 
@@ -46,6 +47,15 @@ using Socket = boost::asio::
 using Timer = boost::asio::
     basic_waitable_timer<Clock, boost::asio::wait_traits<Clock>, Strand>;
 using AsioError = boost::system::error_code;
+
+// Note [Shared rings for small frames]: the largest frame a connection
+// writes to a ring of `capacity` bytes (a larger one goes by socket, where
+// two copies cost no more), and the largest record a reader accepts.
+inline size_t ringFrameMaxBytes(size_t capacity) {
+  return capacity / 4;
+}
+// The largest ring a writer maps (address space, not memory).
+constexpr size_t kMaxSharedRingBytes = size_t(16) << 20;
 
 // Opens every TcpConnectionImpl method named ...FromLoop: it runs on the
 // connection's strand, or inline once the io threads were joined (see
@@ -157,6 +167,7 @@ class TcpConnectionImpl
       Strand strand,
       Socket socket,
       std::string peer);
+  ~TcpConnectionImpl();
 
   // ---- Any thread ----
 
@@ -226,7 +237,13 @@ class TcpConnectionImpl
 
   // ---- Writing, on any thread ----
 
-  void enqueue(OutFrame frame, bool isData);
+  // `mayUseRing`: a kData frame, which may go through the peer's shared
+  // ring instead (Note [Shared rings for small frames]).
+  void enqueue(OutFrame frame, bool isData, bool mayUseRing = false);
+  // Writes `frame` into the peer's ring, with the bell's frame queued
+  // (`rang`) if the peer sleeps. False if it must go by socket (too large,
+  // the ring full); `corrupt` then says why the ring cannot be used.
+  bool pushToRingLocked(OutFrame& frame, bool& rang, std::string& corrupt);
   // Posts flushQueue() to the loop, or runs it once no io thread is left
   // (Note [Sends held for one write]).
   void postFlush();
@@ -330,6 +347,27 @@ class TcpConnectionImpl
   void onCmaProbeFromLoop();
   void onCmaResultFromLoop();
 
+  // ---- Shared rings, on the strand (Note [Shared rings for small
+  // frames] in tcp/shared_ring.h) ----
+
+  // As reader: makes our ring, watches it, and offers it to the peer,
+  // which maps our memfds (peerMapsUs_).
+  void offerRingFromLoop();
+  // As writer: maps the ring whose fd is in body_ (kRingOffer).
+  void onRingOfferFromLoop();
+  // Whether the reader is at a frame's start (the next bytes it takes are
+  // a frame header).
+  bool atFrameStartFromLoop() const;
+  // At a frame's start: when the record the ring holds for this place in
+  // the socket's order is there, its frames are read next. False if the
+  // ring broke the protocol (the connection failed).
+  bool takeDueRingRecordFromLoop();
+  // Whether a record is due at this place (peeked, not taken).
+  bool ringRecordDueFromLoop();
+  // A polling thread saw records in our ring: read them now if the reader
+  // waits at a frame's start, else they are read there.
+  void onRingRecordsFromLoop();
+
   // ---- Liveness, on the strand ----
 
   void armHeartbeatFromLoop();
@@ -380,6 +418,24 @@ class TcpConnectionImpl
   // Frames sent from this strand while it parses a read wait in queue_
   // until the read is parsed (uncorkFromLoop).
   bool corked_ = false;
+  // A socket read is started or posted and has not completed.
+  bool socketReadPending_ = false;
+  // Frames whose header came off the socket: the place in the socket's
+  // order that a ring record's tag names (Note [Shared rings for small
+  // frames]).
+  uint64_t socketFramesRead_ = 0;
+  // Our ring (null: none), its watch entry, and the record being read:
+  // while readingRing_, frames are read from ringRecord_[ringBegin_,
+  // ringEnd_) instead of the socket.
+  std::shared_ptr<SharedRingReader> ringIn_;
+  uint64_t ringWatchId_ = 0;
+  std::unique_ptr<char[]> ringRecord_;
+  size_t ringBegin_ = 0;
+  size_t ringEnd_ = 0;
+  bool readingRing_ = false;
+  bool gotRingOffer_ = false; // as writer
+  // Our ring's bytes, charged to context_->segmentBytes until we die.
+  size_t ringCharged_ = 0;
 
   mutable std::mutex mutex_;
   std::string describe_;
@@ -404,6 +460,10 @@ class TcpConnectionImpl
   std::map<uint64_t, std::vector<at::Tensor>> awaitingAck_;
   // Our segments the peer maps (thread-safe; used once peerMapsUs_).
   SegmentSender segmentsOut_;
+  // Frames put in queue_ since the connection began, the tag of a frame
+  // written to the peer's ring (ringOut_, once it offered one).
+  uint64_t socketFramesQueued_ = 0;
+  std::unique_ptr<SharedRingWriter> ringOut_;
   // Touched on the strand only once started.
   Connection::ReceiveCallback onMessage_;
   Connection::ErrorCallback onError_;

@@ -71,11 +71,25 @@ void TcpConnectionImpl::driveReadsFromLoop() {
   drivingReads_ = true;
   corked_ = true;
   while (fillThen_ != nullptr) {
+    // Note [Shared rings for small frames]: a record due at this place in
+    // the socket's order is read before the socket's next frame.
+    if (ringIn_ != nullptr && atFrameStartFromLoop() &&
+        !takeDueRingRecordFromLoop()) {
+      fillThen_ = nullptr; // failed
+      break;
+    }
     drainReadBufferFromLoop();
     if (fillIndex_ < fill_.size()) {
+      if (readingRing_) {
+        violationFromLoop("a frame in the shared ring is cut short");
+        fillThen_ = nullptr;
+        break;
+      }
       // What the parsed frames answered goes out before waiting for more.
       uncorkFromLoop();
-      startSocketReadFromLoop();
+      if (!socketReadPending_) {
+        startSocketReadFromLoop();
+      }
       break;
     }
     // The step may ask for the next part: fillThenFromLoop() then only
@@ -98,16 +112,17 @@ void TcpConnectionImpl::uncorkFromLoop() {
 
 void TcpConnectionImpl::drainReadBufferFromLoop() {
   TORCHRPC_ASSERT_IN_LOOP();
+  // From the ring's record while one is read, else from the socket's.
+  const char* const source =
+      readingRing_ ? ringRecord_.get() : readBuffer_.get();
+  size_t& begin = readingRing_ ? ringBegin_ : readBegin_;
+  const size_t end = readingRing_ ? ringEnd_ : readEnd_;
   while (fillIndex_ < fill_.size()) {
     FillTarget& target = fill_[fillIndex_];
-    const size_t take =
-        std::min(target.bytes - fillOffset_, readEnd_ - readBegin_);
+    const size_t take = std::min(target.bytes - fillOffset_, end - begin);
     if (take > 0) {
-      std::memcpy(
-          target.data + fillOffset_,
-          readBuffer_.get() + readBegin_,
-          take);
-      readBegin_ += take;
+      std::memcpy(target.data + fillOffset_, source + begin, take);
+      begin += take;
       fillOffset_ += take;
       if (target.tensor) {
         fillCopiedTensorBytes_ += take;
@@ -125,6 +140,7 @@ void TcpConnectionImpl::startSocketReadFromLoop() {
   TORCHRPC_ASSERT_IN_LOOP();
   TORCH_INTERNAL_ASSERT_DEBUG_ONLY(readBegin_ == readEnd_);
   readBegin_ = readEnd_ = 0;
+  socketReadPending_ = true;
   size_t missing = fill_[fillIndex_].bytes - fillOffset_;
   for (size_t i = fillIndex_ + 1; i < fill_.size(); ++i) {
     missing += fill_[i].bytes;
@@ -185,7 +201,16 @@ void TcpConnectionImpl::onBufferedReadFromLoop(
     const AsioError& ec,
     size_t bytes) {
   TORCHRPC_ASSERT_IN_LOOP();
+  socketReadPending_ = false;
   if (ec) {
+    if (ringIn_ != nullptr && !failedAlready() && atFrameStartFromLoop() &&
+        ringRecordDueFromLoop()) {
+      // What the peer wrote to the ring before its socket ended comes
+      // first, as bytes written before a socket's end do; the next read
+      // ends the same way.
+      driveReadsFromLoop();
+      return;
+    }
     failFromNetworkFromLoop(ec);
     return;
   }
@@ -198,6 +223,7 @@ void TcpConnectionImpl::onBufferedReadFromLoop(
 
 void TcpConnectionImpl::onDirectReadFromLoop(const AsioError& ec) {
   TORCHRPC_ASSERT_IN_LOOP();
+  socketReadPending_ = false;
   if (ec) {
     failFromNetworkFromLoop(ec);
     return;
@@ -282,10 +308,24 @@ void TcpConnectionImpl::handshakeFailedFromLoop(const std::string& what) {
 void TcpConnectionImpl::onFrameHeaderFromLoop() {
   TORCHRPC_ASSERT_IN_LOOP();
   const FrameHeader header = decodeFrameHeader(frameHeader_);
+  if (!readingRing_) {
+    ++socketFramesRead_;
+  }
   const std::string refusal = checkFrameHeader(header);
   if (!refusal.empty()) {
     violationFromLoop(refusal);
     return;
+  }
+  if (readingRing_) {
+    // Note [Shared rings for small frames]: the ring carries data only;
+    // everything else keeps the socket's order.
+    if (header.type != FrameType::kData) {
+      violationFromLoop(
+          "a shared ring carries data frames only, not frame type " +
+          std::to_string(static_cast<int>(header.type)));
+      return;
+    }
+    context_->ringFrames.fetch_add(1, std::memory_order_relaxed);
   }
   if (!handshake_.done) {
     onHandshakeFrameFromLoop(header);
@@ -297,6 +337,8 @@ void TcpConnectionImpl::onFrameHeaderFromLoop() {
     case FrameType::kCmaProbe:
     case FrameType::kCmaResult:
     case FrameType::kAck:
+    case FrameType::kRingOffer:
+    case FrameType::kRingBell:
       onControlFrameFromLoop(header);
       return;
     case FrameType::kData:
@@ -318,6 +360,16 @@ void TcpConnectionImpl::onControlFrameFromLoop(const FrameHeader& header) {
   if (type == FrameType::kHeartbeat) {
     if (header.bodyBytes != 0 || header.count != 0) {
       violationFromLoop("heartbeat frame with a body");
+      return;
+    }
+    readFrameHeaderFromLoop();
+    return;
+  }
+  if (type == FrameType::kRingBell) {
+    // Its only work, reading the records before it, was done at its
+    // start (driveReadsFromLoop).
+    if (header.bodyBytes != 0 || header.count != 0 || ringIn_ == nullptr) {
+      violationFromLoop("unexpected shared ring bell");
       return;
     }
     readFrameHeaderFromLoop();
@@ -377,6 +429,18 @@ void TcpConnectionImpl::onLengthsFromLoop() {
   if (!refusal.empty()) {
     violationFromLoop(refusal);
     return;
+  }
+  if (readingRing_) {
+    // Before anything is allocated: a frame in a ring record is all there
+    // (the lengths are within the caps, so the sum cannot wrap).
+    uint64_t need = bodyBytes_;
+    for (uint64_t length : lengths_) {
+      need += length;
+    }
+    if (need > ringEnd_ - ringBegin_) {
+      violationFromLoop("a frame in the shared ring is cut short");
+      return;
+    }
   }
   if (!dataCma_) {
     readPayloadFromLoop();
@@ -742,6 +806,7 @@ void TcpConnectionImpl::completeHandshakeFromLoop() {
     open_ = true;
     for (OutFrame& frame : pendingData_) {
       queue_.push_back(std::move(frame));
+      ++socketFramesQueued_;
     }
     pendingData_.clear();
     if (!waitingWritable_ && !queue_.empty()) {
@@ -785,6 +850,8 @@ void TcpConnectionImpl::onCmaBodyFromLoop() {
   TORCHRPC_ASSERT_IN_LOOP();
   if (bodyType_ == FrameType::kAck) {
     onAckFromLoop();
+  } else if (bodyType_ == FrameType::kRingOffer) {
+    onRingOfferFromLoop();
   } else if (bodyType_ == FrameType::kCmaProbe) {
     onCmaProbeFromLoop();
   } else {
@@ -841,6 +908,7 @@ void TcpConnectionImpl::onCmaProbeFromLoop() {
           FrameType::kCmaResult,
           encodeCmaResult(sameHost_.weReadPeer, sameHost_.weMapPeer)),
       false);
+  offerRingFromLoop();
   readFrameHeaderFromLoop();
 }
 
@@ -860,7 +928,171 @@ void TcpConnectionImpl::onCmaResultFromLoop() {
     peerReadsUs_ = peerReadsUs;
     peerMapsUs_ = peerReadsUs && peerMapsUs && sharesMemory();
   }
+  offerRingFromLoop();
   readFrameHeaderFromLoop();
+}
+
+// ---- Shared rings, on the strand ----
+
+void TcpConnectionImpl::offerRingFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  bool peerMapsUs = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    peerMapsUs = peerMapsUs_ && !failed_;
+  }
+  // A ring helps only while this side polls (Note [Rings while the loop
+  // polls] in tcp/ring_watch.h); asleep, each message would ring.
+  const size_t capacity = context_->options.sharedRingBytes;
+  if (!peerMapsUs || capacity == 0 || !context_->polling.enabled() ||
+      ringIn_ != nullptr) {
+    return;
+  }
+  // Charged to the shared memory budget, as segments are: a peer that
+  // opens many connections gets no more than sharedMemoryMaxBytes of it.
+  const size_t charge = ringBytesFor(capacity);
+  if (context_->segmentBytes->fetch_add(charge) + charge >
+      context_->options.sharedMemoryMaxBytes) {
+    context_->segmentBytes->fetch_sub(charge);
+    return; // small messages from this peer use the socket
+  }
+  ringCharged_ = charge;
+  uint64_t cookie = 0;
+  const std::string random = randomBytes(sizeof(cookie));
+  std::memcpy(&cookie, random.data(), sizeof(cookie));
+  std::string why;
+  std::unique_ptr<SharedRingMemory> memory =
+      SharedRingMemory::create(capacity, cookie, why);
+  if (memory == nullptr) {
+    context_->segmentBytes->fetch_sub(charge);
+    ringCharged_ = 0;
+    TORCHRPC_LOG(kWarning) << "TcpTransport " << context_->options.name
+                           << ": no shared ring for " << describe() << ": "
+                           << why << "; its small messages use the socket";
+    return;
+  }
+  const int fd = memory->fd();
+  ringIn_ = std::make_shared<SharedRingReader>(std::move(memory));
+  ringRecord_.reset(new char[ringFrameMaxBytes(capacity)]);
+  std::weak_ptr<TcpConnectionImpl> weak = shared_from_this();
+  ringWatchId_ = context_->rings.add(ringIn_, [weak]() {
+    if (auto self = weak.lock()) {
+      auto drain = [self]() { self->onRingRecordsFromLoop(); };
+      self->context_->postUnlessJoined(self->strand_, drain);
+    }
+  });
+  std::string body;
+  appendU64(body, static_cast<uint64_t>(fd));
+  appendU64(body, cookie);
+  enqueue(controlFrame(FrameType::kRingOffer, std::move(body)), false);
+}
+
+void TcpConnectionImpl::onRingOfferFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  uint64_t fd = 0;
+  uint64_t cookie = 0;
+  BodyReader reader(body_);
+  reader.u64(fd); // the length was checked
+  reader.u64(cookie);
+  if (!sameHost_.weMapPeer || gotRingOffer_ ||
+      fd > uint64_t(std::numeric_limits<int>::max())) {
+    violationFromLoop("unexpected shared ring offer");
+    return;
+  }
+  gotRingOffer_ = true;
+  std::string why;
+  std::unique_ptr<SharedRingMemory> memory = SharedRingMemory::mapPeer(
+      sameHost_.peerPid,
+      static_cast<int>(fd),
+      kMaxSharedRingBytes,
+      why);
+  if (memory == nullptr) {
+    violationFromLoop(why);
+    return;
+  }
+  if (memory->cookie() != cookie) {
+    violationFromLoop(
+        "the shared ring mapped is not the one offered (its descriptor "
+        "was reused, or the peer lies)");
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!failed_) {
+      ringOut_ = std::make_unique<SharedRingWriter>(std::move(memory));
+    }
+  }
+  readFrameHeaderFromLoop();
+}
+
+bool TcpConnectionImpl::atFrameStartFromLoop() const {
+  TORCHRPC_ASSERT_IN_LOOP();
+  return fillThen_ == &TcpConnectionImpl::onFrameHeaderFromLoop &&
+      fillIndex_ == 0 && fillOffset_ == 0;
+}
+
+bool TcpConnectionImpl::takeDueRingRecordFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  if (readingRing_) {
+    if (ringBegin_ < ringEnd_) {
+      return true; // more frames in this record
+    }
+    readingRing_ = false;
+  }
+  uint64_t tag = 0;
+  size_t length = 0;
+  switch (ringIn_->peek(tag, length)) {
+    case SharedRingReader::Read::kEmpty:
+      return true;
+    case SharedRingReader::Read::kCorrupt:
+      violationFromLoop(ringIn_->why());
+      return false;
+    case SharedRingReader::Read::kRecord:
+      break;
+  }
+  if (tag > socketFramesRead_) {
+    return true; // it follows a frame still on the socket
+  }
+  const size_t maxBytes = ringFrameMaxBytes(ringIn_->capacity());
+  if (tag < socketFramesRead_) {
+    violationFromLoop(
+        "a record in the shared ring is out of order (it follows socket "
+        "frame " +
+        std::to_string(tag) + ", " + std::to_string(socketFramesRead_) +
+        " were read)");
+    return false;
+  }
+  if (length == 0 || length > maxBytes) {
+    violationFromLoop(
+        "a record in the shared ring of " + std::to_string(length) +
+        " bytes (a frame of 16 to " + std::to_string(maxBytes) + " expected)");
+    return false;
+  }
+  ringIn_->take(ringRecord_.get());
+  ringBegin_ = 0;
+  ringEnd_ = length;
+  readingRing_ = true;
+  lastReceive_ = Clock::now();
+  return true;
+}
+
+bool TcpConnectionImpl::ringRecordDueFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  uint64_t tag = 0;
+  size_t length = 0;
+  return ringIn_->peek(tag, length) == SharedRingReader::Read::kRecord &&
+      tag == socketFramesRead_;
+}
+
+void TcpConnectionImpl::onRingRecordsFromLoop() {
+  TORCHRPC_ASSERT_IN_LOOP();
+  // Only a reader that waits at a frame's start for the socket reads them
+  // now; one in a frame reads them when it ends.
+  if (!reading_ || drivingReads_ || fillThen_ == nullptr ||
+      !atFrameStartFromLoop() || readBegin_ != readEnd_ || failedAlready()) {
+    return;
+  }
+  driveReadsFromLoop();
 }
 
 } // namespace tcp

@@ -20,7 +20,8 @@ TcpContext::TcpContext(TcpTransportOptions opts)
       io(std::max(2, options.ioThreads)),
       pool(ReceiveBufferPool::create()),
       host(options.sameHostZeroCopy ? localHostIdentity() : HostIdentity()),
-      polling(io, options.pollAfterTraffic, options.pollWhileAwaiting) {}
+      polling(io, options.pollAfterTraffic, options.pollWhileAwaiting, &rings) {
+}
 
 void TcpContext::forget(uint64_t id) {
   std::lock_guard<std::mutex> lock(mutex);

@@ -16,6 +16,7 @@
 #include "torchrpc/rpc/transport/receive_buffer_pool.h"
 #include "torchrpc/rpc/transport/tcp/parallel_copier.h"
 #include "torchrpc/rpc/transport/tcp/polling.h"
+#include "torchrpc/rpc/transport/tcp/ring_watch.h"
 #include "torchrpc/rpc/transport/tcp/same_host.h"
 #include "torchrpc/rpc/transport/tcp/tcp_transport.h"
 
@@ -58,6 +59,9 @@ struct TcpContext {
     return true;
   }
 
+  // The shared rings the connections read (Note [Shared rings for small
+  // frames] in tcp/shared_ring.h); before `polling`, which looks at them.
+  RingWatch rings;
   IoPolling polling;
   // For TcpTransport::stats(). Tensor bytes go straight from and into a
   // tensor's storage (writev, process_vm_readv, reads into the receive
@@ -68,6 +72,8 @@ struct TcpContext {
   std::atomic<uint64_t> copiedTensorBytes{0};
   // Socket reads that brought bytes (TransportStats::reads).
   std::atomic<uint64_t> socketReads{0};
+  // Frames received through a shared ring (TransportStats::ringFrames).
+  std::atomic<uint64_t> ringFrames{0};
   std::atomic<uint64_t> heartbeatMisses{0};
   // The bytes of the shared segments the connections keep, bounded by
   // options.sharedMemoryMaxBytes.

@@ -36,8 +36,9 @@ namespace tcp {
 // no tensors, body at most 4 KiB; Note [TCP transport handshake]), kData
 // (body = Message::header), kHeartbeat and kClose (empty), and the
 // same-host frames kCmaProbe, kCmaResult, kAck and kDataCma (Note [TCP
-// same-host zero copy]) and kDataShared (Note [TCP same-host shared
-// memory]). A receiver checks the header, then reads the
+// same-host zero copy]), kDataShared (Note [TCP same-host shared
+// memory]), kRingOffer and kRingBell (Note [Shared rings for small
+// frames] in tcp/shared_ring.h). A receiver checks the header, then reads the
 // lengths (at most maxTensorsPerMessage of them), checks the body and the
 // sum against TransportLimits, and only then allocates: the body as a
 // string, each tensor as a ReceiveBufferPool buffer, read in place.
@@ -65,6 +66,8 @@ enum class FrameType : uint8_t {
   kDataCma = 9,
   kAck = 10,
   kDataShared = 11,
+  kRingOffer = 12,
+  kRingBell = 13,
 };
 
 // Little-endian integers.

@@ -2,6 +2,7 @@
 #include "torchrpc/rpc/detail/busy_wait.h"
 #include "torchrpc/rpc/detail/wait_drivers.h"
 #include "torchrpc/rpc/log_level.h"
+#include "torchrpc/rpc/transport/tcp/ring_watch.h"
 
 #include <c10/util/Exception.h>
 
@@ -71,13 +72,43 @@ std::atomic<int>& pollingSlotHolders() {
   return count;
 }
 
+// Whether a thread counts as looking at a RingWatch's rings; stops on
+// every path out of its scope.
+class LookingAtRings {
+ public:
+  explicit LookingAtRings(RingWatch* rings) : rings_(rings) {}
+  ~LookingAtRings() {
+    set(false);
+  }
+  LookingAtRings(const LookingAtRings&) = delete;
+  LookingAtRings& operator=(const LookingAtRings&) = delete;
+
+  void set(bool looking) {
+    if (rings_ == nullptr || looking == looking_) {
+      return;
+    }
+    looking_ = looking;
+    if (looking) {
+      rings_->beginPolling();
+    } else {
+      rings_->endPolling();
+    }
+  }
+
+ private:
+  RingWatch* const rings_;
+  bool looking_ = false;
+};
+
 } // namespace
 
 IoPolling::IoPolling(
     boost::asio::io_context& io,
     std::chrono::microseconds afterTraffic,
-    std::chrono::microseconds whileAwaiting)
+    std::chrono::microseconds whileAwaiting,
+    RingWatch* rings)
     : io_(io),
+      rings_(rings),
       afterTraffic_(afterTraffic),
       whileAwaiting_(whileAwaiting),
       standByPeriod_(kStandByWait) {}
@@ -142,8 +173,11 @@ bool IoPolling::holdsSends() const {
 void IoPolling::run() {
   PollingSlot slot;
   EventLoopThreadScope loopThread;
+  // Declared after the slot: ends before it on the way out.
+  LookingAtRings looking(rings_);
   while (!io_.stopped()) {
     if (driversActive()) {
+      looking.set(false);
       slot.release();
       standByForDrivers();
       continue;
@@ -153,6 +187,10 @@ void IoPolling::run() {
     if (standByPeriod_.load(std::memory_order_relaxed) != kStandByWait) {
       std::lock_guard<std::mutex> lock(standByMutex_);
       standByPeriod_.store(kStandByWait, std::memory_order_relaxed);
+    }
+    if (rings_ != nullptr) {
+      looking.set(true);
+      rings_->check();
     }
     if (io_.poll() > 0) {
       continue;
@@ -164,6 +202,9 @@ void IoPolling::run() {
       continue;
     }
     slot.release();
+    // Before sleeping: a record that came meanwhile is posted (the loop
+    // then has work), later ones ring the bell.
+    looking.set(false);
     if (sleepUntilWork() == 0) {
       return; // stopped, or no work left
     }
@@ -258,6 +299,9 @@ bool IoPolling::onDrivingThread() {
 
 void IoPolling::beginDriving() {
   drivers_.fetch_add(1);
+  if (rings_ != nullptr) {
+    rings_->beginPolling();
+  }
 }
 
 bool IoPolling::driveBlocking(
@@ -294,6 +338,21 @@ bool IoPolling::driveBlocking(
   const auto start = Clock::now();
   try {
     InDriveStep step;
+    // Asleep in the loop, this thread no longer looks at the rings: their
+    // writers ring, which wakes it.
+    struct SleepingFromRings {
+      RingWatch* rings;
+      explicit SleepingFromRings(RingWatch* r) : rings(r) {
+        if (rings != nullptr) {
+          rings->endPolling();
+        }
+      }
+      ~SleepingFromRings() {
+        if (rings != nullptr) {
+          rings->beginPolling();
+        }
+      }
+    } sleeping(rings_);
     if (io_.run_one_for(timeout) > 0) {
       return true;
     }
@@ -333,6 +392,9 @@ bool IoPolling::driveOnce() {
     // epoll_wait) that finds nothing, on the answer's path (Note [A waiter
     // leaves its next read to the loop] in tcp/connection.h).
     InDriveStep step;
+    if (rings_ != nullptr) {
+      rings_->check();
+    }
     return io_.poll_one() > 0;
   } catch (const std::exception& e) {
     TORCHRPC_LOG(kError) << "TcpTransport: callback threw on a thread "
@@ -342,6 +404,9 @@ bool IoPolling::driveOnce() {
 }
 
 void IoPolling::endDriving(bool answered) {
+  if (rings_ != nullptr) {
+    rings_->endPolling();
+  }
   lastDriveEnd_.store(
       Clock::now().time_since_epoch().count(),
       std::memory_order_relaxed);

@@ -23,6 +23,8 @@ namespace rpc {
 namespace detail {
 namespace tcp {
 
+class RingWatch;
+
 // Note [Polling after traffic]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // An io thread normally sleeps in epoll_wait, and on a virtual machine
@@ -44,11 +46,15 @@ namespace tcp {
 // on each io thread.
 class IoPolling {
  public:
-  // Zero durations turn either kind of polling off.
+  // Zero durations turn either kind of polling off. `rings`, when given,
+  // outlives this: the threads that poll look at its rings each turn and
+  // say when they start and stop (Note [Rings while the loop polls] in
+  // tcp/ring_watch.h).
   IoPolling(
       boost::asio::io_context& io,
       std::chrono::microseconds afterTraffic,
-      std::chrono::microseconds whileAwaiting);
+      std::chrono::microseconds whileAwaiting,
+      RingWatch* rings = nullptr);
 
   bool enabled() const {
     return afterTraffic_.count() > 0 || whileAwaiting_.count() > 0;
@@ -141,6 +147,7 @@ class IoPolling {
   size_t sleepUntilWork();
 
   boost::asio::io_context& io_;
+  RingWatch* const rings_;
   const std::chrono::microseconds afterTraffic_;
   const std::chrono::microseconds whileAwaiting_;
   // When a data frame last went out or came in (steady clock, ns).

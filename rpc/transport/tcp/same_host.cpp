@@ -102,6 +102,8 @@ size_t cmaBodyBytes(FrameType type) {
       return 9;
     case FrameType::kAck:
       return 8;
+    case FrameType::kRingOffer:
+      return 16;
     case FrameType::kCmaResult:
       return 1;
     default:

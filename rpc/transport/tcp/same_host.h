@@ -94,7 +94,8 @@ bool onSameHost(const HostIdentity& ours, const HostSection& section);
 // the errno (EFAULT for a read that makes no progress).
 int readFromPeer(pid_t pid, char* to, uint64_t from, size_t length);
 
-// The body a kCmaProbe, kCmaResult or kAck frame must have, 0 for others.
+// The body a kCmaProbe, kCmaResult, kAck or kRingOffer frame must have, 0
+// for others.
 size_t cmaBodyBytes(FrameType type);
 
 // `sendSegments` (meaningful only with `canReadYou`): the peer may send us

@@ -20,8 +20,6 @@ constexpr uint32_t kPolling = 0;
 constexpr uint32_t kAsleep = 1;
 constexpr uint32_t kBelled = 2;
 
-constexpr size_t kMinCapacity = 4096;
-
 // The header's words, each on its own cache line so that the writer's
 // stores to `tail` do not evict the line the reader stores `head` to.
 // Lock-free, so they work across processes mapping the same page.
@@ -41,6 +39,8 @@ std::atomic<uint32_t>& readerWord(void* base) {
   return *reinterpret_cast<std::atomic<uint32_t>*>(
       static_cast<char*>(base) + 128);
 }
+// Written once by the maker, before the ring is announced.
+constexpr size_t kCookieOffset = 192;
 
 bool powerOfTwo(size_t n) {
   return n != 0 && (n & (n - 1)) == 0;
@@ -58,6 +58,9 @@ void copyOut(
     uint64_t at,
     void* to,
     size_t length) {
+  if (length == 0) {
+    return; // `to` may be null (an empty tensor's)
+  }
   const size_t offset = static_cast<size_t>(at & (capacity - 1));
   const size_t first = std::min(length, capacity - offset);
   std::memcpy(to, data + offset, first);
@@ -70,6 +73,9 @@ void copyIn(
     uint64_t at,
     const void* from,
     size_t length) {
+  if (length == 0) {
+    return; // `from` may be null (an empty tensor's)
+  }
   const size_t offset = static_cast<size_t>(at & (capacity - 1));
   const size_t first = std::min(length, capacity - offset);
   std::memcpy(data + offset, from, first);
@@ -78,20 +84,30 @@ void copyIn(
 
 } // namespace
 
-// ---- Writer ----
+// ---- Memory ----
 
-SharedRingWriter::SharedRingWriter(OwnMemfd memfd, size_t capacity)
-    : memfd_(memfd),
-      capacity_(capacity),
-      data_(static_cast<char*>(memfd.base) + kRingHeaderBytes) {}
+SharedRingMemory::SharedRingMemory(OwnMemfd own, void* base, size_t bytes)
+    : own_(own),
+      base_(base),
+      bytes_(bytes),
+      capacity_(bytes - kRingHeaderBytes) {}
 
-std::unique_ptr<SharedRingWriter> SharedRingWriter::create(
+SharedRingMemory::~SharedRingMemory() {
+  if (own_.fd >= 0) {
+    destroyMemfd(own_);
+  } else {
+    ::munmap(base_, bytes_);
+  }
+}
+
+std::unique_ptr<SharedRingMemory> SharedRingMemory::create(
     size_t capacity,
+    uint64_t cookie,
     std::string& why) {
   TORCH_CHECK(
-      powerOfTwo(capacity) && capacity >= kMinCapacity,
+      powerOfTwo(capacity) && capacity >= kRingMinCapacity,
       "a shared ring's capacity must be a power of two of at least ",
-      kMinCapacity,
+      kRingMinCapacity,
       " bytes, not ",
       capacity);
   OwnMemfd memfd = createSealedMemfd("torchrpc-ring", ringBytesFor(capacity));
@@ -101,73 +117,21 @@ std::unique_ptr<SharedRingWriter> SharedRingWriter::create(
   }
   // A new memfd reads as zeros: tail 0, head 0, the reader polling until
   // it says otherwise.
-  return std::unique_ptr<SharedRingWriter>(
-      new SharedRingWriter(memfd, capacity));
+  std::memcpy(
+      static_cast<char*>(memfd.base) + kCookieOffset,
+      &cookie,
+      sizeof(cookie));
+  return std::unique_ptr<SharedRingMemory>(
+      new SharedRingMemory(memfd, memfd.base, memfd.bytes));
 }
 
-SharedRingWriter::~SharedRingWriter() {
-  destroyMemfd(memfd_);
-}
-
-size_t SharedRingWriter::pendingBytes() const {
-  return static_cast<size_t>(
-      tail_ - headWord(memfd_.base).load(std::memory_order_acquire));
-}
-
-SharedRingWriter::Push SharedRingWriter::push(
-    const void* bytes,
-    size_t length,
-    uint64_t tag) {
-  if (!why_.empty()) {
-    return Push::kCorrupt;
-  }
-  if (length > maxRecordBytes()) {
-    return Push::kTooLarge;
-  }
-  const uint64_t head = headWord(memfd_.base).load(std::memory_order_acquire);
-  // Unsigned: a head ahead of our tail wraps to a huge count.
-  const uint64_t used = tail_ - head;
-  if (used > capacity_) {
-    why_ = "the reader's position in the shared ring is impossible (" +
-        std::to_string(head) + " against " + std::to_string(tail_) +
-        " written)";
-    return Push::kCorrupt;
-  }
-  const size_t need = padded(length);
-  if (need > capacity_ - used) {
-    return Push::kFull;
-  }
-  unsigned char header[kRingRecordHeaderBytes] = {};
-  const uint32_t length32 = static_cast<uint32_t>(length);
-  std::memcpy(header, &length32, sizeof(length32));
-  std::memcpy(header + 8, &tag, sizeof(tag));
-  copyIn(data_, capacity_, tail_, header, sizeof(header));
-  copyIn(data_, capacity_, tail_ + kRingRecordHeaderBytes, bytes, length);
-  tail_ += need;
-  tailWord(memfd_.base).store(tail_, std::memory_order_release);
-  // Pairs with the fence in goingToSleep(): either the reader sees this
-  // record after marking itself asleep, or we see the mark.
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  std::atomic<uint32_t>& reader = readerWord(memfd_.base);
-  uint32_t state = reader.load(std::memory_order_relaxed);
-  if (state == kAsleep &&
-      reader
-          .compare_exchange_strong(state, kBelled, std::memory_order_relaxed)) {
-    return Push::kPushedRingBell;
-  }
-  return Push::kPushed;
-}
-
-// ---- Reader ----
-
-SharedRingReader::SharedRingReader(void* base, size_t bytes)
-    : base_(base),
-      bytes_(bytes),
-      capacity_(bytes - kRingHeaderBytes),
-      data_(static_cast<const char*>(base) + kRingHeaderBytes) {}
-
-SharedRingReader::~SharedRingReader() {
-  ::munmap(base_, bytes_);
+uint64_t SharedRingMemory::cookie() const {
+  uint64_t cookie = 0;
+  std::memcpy(
+      &cookie,
+      static_cast<const char*>(base_) + kCookieOffset,
+      sizeof(cookie));
+  return cookie;
 }
 
 namespace {
@@ -175,14 +139,14 @@ namespace {
 PeerMemfdLimits ringLimits(size_t maxCapacity) {
   return PeerMemfdLimits{
       "shared ring",
-      ringBytesFor(kMinCapacity),
+      ringBytesFor(kRingMinCapacity),
       ringBytesFor(maxCapacity),
       "shared ring is larger than this connection accepts"};
 }
 
 } // namespace
 
-std::unique_ptr<SharedRingReader> SharedRingReader::fromMapping(
+std::unique_ptr<SharedRingMemory> SharedRingMemory::fromMapping(
     std::string refusal,
     void* base,
     size_t bytes,
@@ -195,10 +159,11 @@ std::unique_ptr<SharedRingReader> SharedRingReader::fromMapping(
     why = std::move(refusal);
     return nullptr;
   }
-  return std::unique_ptr<SharedRingReader>(new SharedRingReader(base, bytes));
+  return std::unique_ptr<SharedRingMemory>(
+      new SharedRingMemory(OwnMemfd(), base, bytes));
 }
 
-std::unique_ptr<SharedRingReader> SharedRingReader::mapPeer(
+std::unique_ptr<SharedRingMemory> SharedRingMemory::mapPeer(
     pid_t peerPid,
     int fd,
     size_t maxCapacity,
@@ -210,7 +175,7 @@ std::unique_ptr<SharedRingReader> SharedRingReader::mapPeer(
   return fromMapping(std::move(refusal), base, bytes, why);
 }
 
-std::unique_ptr<SharedRingReader> SharedRingReader::mapOwn(
+std::unique_ptr<SharedRingMemory> SharedRingMemory::mapOwn(
     int fd,
     size_t maxCapacity,
     std::string& why) {
@@ -221,23 +186,107 @@ std::unique_ptr<SharedRingReader> SharedRingReader::mapOwn(
   return fromMapping(std::move(refusal), base, bytes, why);
 }
 
+// ---- Writer ----
+
+SharedRingWriter::SharedRingWriter(std::unique_ptr<SharedRingMemory> memory)
+    : memory_(std::move(memory)),
+      data_(static_cast<char*>(memory_->base()) + kRingHeaderBytes) {
+  // A ring may be handed over with records in it (tests): go on after them.
+  tail_ = tailWord(memory_->base()).load(std::memory_order_acquire);
+}
+
+size_t SharedRingWriter::pendingBytes() const {
+  return static_cast<size_t>(
+      tail_ - headWord(memory_->base()).load(std::memory_order_acquire));
+}
+
+SharedRingWriter::Push SharedRingWriter::push(
+    const RingPiece* pieces,
+    size_t count,
+    uint64_t tag) {
+  if (!why_.empty()) {
+    return Push::kCorrupt;
+  }
+  size_t length = 0;
+  for (size_t i = 0; i < count; ++i) {
+    length += pieces[i].length;
+  }
+  if (length > maxRecordBytes()) {
+    return Push::kTooLarge;
+  }
+  void* const base = memory_->base();
+  const size_t capacity = memory_->capacity();
+  const uint64_t head = headWord(base).load(std::memory_order_acquire);
+  // Unsigned: a head ahead of our tail wraps to a huge count.
+  const uint64_t used = tail_ - head;
+  if (used > capacity) {
+    why_ = "the reader's position in the shared ring is impossible (" +
+        std::to_string(head) + " against " + std::to_string(tail_) +
+        " written)";
+    return Push::kCorrupt;
+  }
+  const size_t need = padded(length);
+  if (need > capacity - used) {
+    return Push::kFull;
+  }
+  unsigned char header[kRingRecordHeaderBytes] = {};
+  const uint32_t length32 = static_cast<uint32_t>(length);
+  std::memcpy(header, &length32, sizeof(length32));
+  std::memcpy(header + 8, &tag, sizeof(tag));
+  copyIn(data_, capacity, tail_, header, sizeof(header));
+  uint64_t at = tail_ + kRingRecordHeaderBytes;
+  for (size_t i = 0; i < count; ++i) {
+    copyIn(data_, capacity, at, pieces[i].data, pieces[i].length);
+    at += pieces[i].length;
+  }
+  tail_ += need;
+  tailWord(base).store(tail_, std::memory_order_release);
+  // Pairs with the fence in goingToSleep(): either the reader sees this
+  // record after marking itself asleep, or we see the mark.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  std::atomic<uint32_t>& reader = readerWord(base);
+  uint32_t state = reader.load(std::memory_order_relaxed);
+  if (state == kAsleep &&
+      reader
+          .compare_exchange_strong(state, kBelled, std::memory_order_relaxed)) {
+    return Push::kPushedRingBell;
+  }
+  return Push::kPushed;
+}
+
+// ---- Reader ----
+
+SharedRingReader::SharedRingReader(std::unique_ptr<SharedRingMemory> memory)
+    : memory_(std::move(memory)),
+      data_(static_cast<const char*>(memory_->base()) + kRingHeaderBytes) {
+  head_ = headWord(memory_->base()).load(std::memory_order_acquire);
+}
+
+bool SharedRingReader::hasRecords(uint64_t& tail) const {
+  void* const base = memory_->base();
+  tail = tailWord(base).load(std::memory_order_acquire);
+  return tail != headWord(base).load(std::memory_order_relaxed);
+}
+
 SharedRingReader::Read SharedRingReader::peek(uint64_t& tag, size_t& length) {
   peeked_ = false;
   if (!why_.empty()) {
     return Read::kCorrupt;
   }
-  const uint64_t tail = tailWord(base_).load(std::memory_order_acquire);
+  const size_t capacity = memory_->capacity();
+  const uint64_t tail =
+      tailWord(memory_->base()).load(std::memory_order_acquire);
   const uint64_t published = tail - head_;
   if (published == 0) {
     return Read::kEmpty;
   }
-  if (published > capacity_ || published < kRingRecordHeaderBytes) {
+  if (published > capacity || published < kRingRecordHeaderBytes) {
     why_ = "the writer's position in the shared ring is impossible (" +
         std::to_string(tail) + " against " + std::to_string(head_) + " read)";
     return Read::kCorrupt;
   }
   unsigned char header[kRingRecordHeaderBytes];
-  copyOut(data_, capacity_, head_, header, sizeof(header));
+  copyOut(data_, capacity, head_, header, sizeof(header));
   uint32_t length32 = 0;
   std::memcpy(&length32, header, sizeof(length32));
   std::memcpy(&tag, header + 8, sizeof(tag));
@@ -255,22 +304,28 @@ SharedRingReader::Read SharedRingReader::peek(uint64_t& tag, size_t& length) {
 
 void SharedRingReader::take(void* out) {
   TORCH_INTERNAL_ASSERT(peeked_, "SharedRingReader::take() without peek()");
-  copyOut(data_, capacity_, head_ + kRingRecordHeaderBytes, out, peekedLength_);
+  copyOut(
+      data_,
+      memory_->capacity(),
+      head_ + kRingRecordHeaderBytes,
+      out,
+      peekedLength_);
   head_ += padded(peekedLength_);
   peeked_ = false;
-  headWord(base_).store(head_, std::memory_order_release);
+  headWord(memory_->base()).store(head_, std::memory_order_release);
 }
 
 void SharedRingReader::polling() {
-  readerWord(base_).store(kPolling, std::memory_order_relaxed);
+  readerWord(memory_->base()).store(kPolling, std::memory_order_relaxed);
 }
 
 bool SharedRingReader::goingToSleep() {
-  readerWord(base_).store(kAsleep, std::memory_order_relaxed);
+  readerWord(memory_->base()).store(kAsleep, std::memory_order_relaxed);
   // Pairs with the writer's fence after publishing (Note [Shared rings for
-  // small frames]).
+  // small frames]). Any thread: the published head, not ours.
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  return tailWord(base_).load(std::memory_order_acquire) == head_;
+  uint64_t tail = 0;
+  return !hasRecords(tail);
 }
 
 } // namespace tcp

@@ -92,6 +92,7 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
     out.copiedBytes =
         context_->copiedTensorBytes.load(std::memory_order_relaxed);
     out.reads = context_->socketReads.load(std::memory_order_relaxed);
+    out.ringFrames = context_->ringFrames.load(std::memory_order_relaxed);
     out.helperCopiedBytes = context_->copier.helperBytes();
     out.heartbeatMisses =
         context_->heartbeatMisses.load(std::memory_order_relaxed);
@@ -114,6 +115,17 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
         work_(asio::make_work_guard(context_->io)) {
     const TcpTransportOptions& o = context_->options;
     TORCH_CHECK(o.ioThreads >= 1, "TcpTransport needs at least one io thread");
+    TORCH_CHECK(
+        o.sharedRingBytes == 0 ||
+            (o.sharedRingBytes >= kRingMinCapacity &&
+             o.sharedRingBytes <= kMaxSharedRingBytes &&
+             (o.sharedRingBytes & (o.sharedRingBytes - 1)) == 0),
+        "sharedRingBytes must be 0 or a power of two from ",
+        kRingMinCapacity,
+        " to ",
+        kMaxSharedRingBytes,
+        " bytes, got ",
+        o.sharedRingBytes);
     TORCH_CHECK(
         o.heartbeatInterval.count() > 0 && o.peerTimeout.count() > 0 &&
             o.handshakeTimeout.count() > 0,

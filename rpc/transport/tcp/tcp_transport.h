@@ -72,6 +72,13 @@ struct TcpTransportOptions {
   // See Note [Copies into shared memory on two cores] in
   // tcp/parallel_copier.h.
   size_t parallelCopyMinBytes = size_t(1) << 20;
+  // With shared memory on both sides and polling on here, a connection
+  // from a peer on this host gets a ring of this many bytes (a power of
+  // two from 4096 to 16 MiB, counted in sharedMemoryMaxBytes) in which the
+  // peer writes its small messages, read without a system call while this
+  // transport polls; 0 turns it off. See Note [Shared rings for small
+  // frames] in tcp/shared_ring.h.
+  size_t sharedRingBytes = size_t(256) << 10;
 };
 
 // Transport over TCP with Boost.Asio. The protocol is in four Notes:

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "tests/support/allowed_cpus.h"
+#include "tests/support/negotiated_raw_peer.h"
 #include "tests/support/patterned_bytes.h"
 #include "tests/support/tcp_peers.h"
 #include "tests/support/transport_harness.h"
@@ -454,80 +455,6 @@ TEST(TcpSharedMemory, TensorsCrossProcessesAndOutliveTheSender) {
 }
 
 // ---- A negotiated peer that lies ----
-
-// A hand-driven client in this process: it completes the handshake with a
-// host section, proves it can be read, asks for segments, and then sends
-// whatever frame the test gives it.
-class NegotiatedRawPeer {
- public:
-  explicit NegotiatedRawPeer(int port) : peer_(port) {}
-
-  bool negotiate() {
-    using namespace detail::tcp;
-    if (!peer_.connected()) {
-      return false;
-    }
-    HostIdentity host = localHostIdentity();
-    if (host.bootId.empty()) {
-      return false;
-    }
-    Greeting hello;
-    hello.name = "liar";
-    HostSection section;
-    section.bootId = host.bootId;
-    section.pidNamespace = host.pidNamespace;
-    section.pid = static_cast<uint64_t>(::getpid());
-    section.challenge = std::string(kChallengeBytes, 'c');
-    hello.host = section;
-    std::string body = encodeGreeting(FrameType::kHello, hello);
-    if (!peer_.write(
-            encodeFrameHeader(
-                FrameType::kHello,
-                static_cast<uint32_t>(body.size()),
-                0) +
-            body)) {
-      return false;
-    }
-    std::string header = peer_.read(kFrameHeaderBytes);
-    if (header.size() != kFrameHeaderBytes) {
-      return false;
-    }
-    FrameHeader welcomeHeader = decodeFrameHeader(
-        reinterpret_cast<const unsigned char*>(header.data()));
-    std::string welcomeBody = peer_.read(welcomeHeader.bodyBytes);
-    Greeting welcome;
-    if (welcomeHeader.type != FrameType::kWelcome ||
-        !decodeGreeting(FrameType::kWelcome, welcomeBody, false, welcome)
-             .empty() ||
-        !welcome.host) {
-      return false;
-    }
-    // Where the server finds its own challenge in our memory.
-    serverChallenge_ = welcome.host->challenge;
-    std::string probe = encodeCmaProbe(
-        true,
-        true,
-        reinterpret_cast<uintptr_t>(serverChallenge_.data()));
-    if (!peer_.write(
-            encodeFrameHeader(FrameType::kCmaProbe, probe.size(), 0) + probe)) {
-      return false;
-    }
-    std::string result = peer_.read(kFrameHeaderBytes + 1);
-    // kCmaResult {flags}: the server reads us and maps our segments.
-    return result.size() == kFrameHeaderBytes + 1 &&
-        decodeFrameHeader(reinterpret_cast<const unsigned char*>(result.data()))
-            .type == FrameType::kCmaResult &&
-        result.back() == '\3';
-  }
-
-  RawPeer& raw() {
-    return peer_;
-  }
-
- private:
-  RawPeer peer_;
-  std::string serverChallenge_;
-};
 
 // One tensor of `length` bytes announced in segment 1 at our fd `fd`.
 std::string sharedFrame(int fd, uint64_t length) {

@@ -31,6 +31,7 @@ namespace {
 using rpc::detail::tcp::kRingHeaderBytes;
 using rpc::detail::tcp::kRingRecordHeaderBytes;
 using rpc::detail::tcp::ringBytesFor;
+using rpc::detail::tcp::SharedRingMemory;
 using rpc::detail::tcp::SharedRingReader;
 using rpc::detail::tcp::SharedRingWriter;
 using Push = SharedRingWriter::Push;
@@ -47,20 +48,35 @@ std::string recordBytes(size_t length, uint64_t seed) {
   return bytes;
 }
 
-std::unique_ptr<SharedRingWriter> makeWriter(size_t capacity = kCapacity) {
+// A ring made here, written through this mapping; readerOf() maps it again
+// to read it, as a peer would.
+struct MadeRing {
+  int fd = -1;
+  std::unique_ptr<SharedRingWriter> writer;
+};
+
+MadeRing makeRing(size_t capacity = kCapacity) {
   std::string why;
-  auto writer = SharedRingWriter::create(capacity, why);
-  EXPECT_NE(writer, nullptr) << why;
-  return writer;
+  auto memory = SharedRingMemory::create(capacity, 7, why);
+  EXPECT_NE(memory, nullptr) << why;
+  MadeRing ring;
+  if (memory) {
+    ring.fd = memory->fd();
+    ring.writer = std::make_unique<SharedRingWriter>(std::move(memory));
+  }
+  return ring;
 }
 
 std::unique_ptr<SharedRingReader> readerOf(
-    const SharedRingWriter& writer,
+    const MadeRing& ring,
     size_t maxCapacity = kCapacity) {
   std::string why;
-  auto reader = SharedRingReader::mapOwn(writer.fd(), maxCapacity, why);
-  EXPECT_NE(reader, nullptr) << why;
-  return reader;
+  auto memory = SharedRingMemory::mapOwn(ring.fd, maxCapacity, why);
+  EXPECT_NE(memory, nullptr) << why;
+  if (!memory) {
+    return nullptr;
+  }
+  return std::make_unique<SharedRingReader>(std::move(memory));
 }
 
 // Takes the oldest record; fails the test if there is none.
@@ -78,15 +94,10 @@ std::string takeOne(SharedRingReader& reader, uint64_t& tag) {
 
 // The ring's memory as the peer sees it: a second mapping of its memfd.
 struct RawRing {
-  explicit RawRing(const SharedRingWriter& writer)
-      : bytes(ringBytesFor(writer.capacity())) {
-    base = static_cast<char*>(::mmap(
-        nullptr,
-        bytes,
-        PROT_READ | PROT_WRITE,
-        MAP_SHARED,
-        writer.fd(),
-        0));
+  explicit RawRing(const MadeRing& ring)
+      : bytes(ringBytesFor(ring.writer->capacity())) {
+    base = static_cast<char*>(
+        ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, ring.fd, 0));
     EXPECT_NE(base, MAP_FAILED);
   }
   ~RawRing() {
@@ -106,9 +117,10 @@ struct RawRing {
 };
 
 TEST(SharedRing, RecordsComeOutAsTheyWentInAcrossTheAreasEnd) {
-  auto writer = makeWriter();
-  auto reader = readerOf(*writer);
-  ASSERT_TRUE(writer && reader);
+  MadeRing ring = makeRing();
+  auto reader = readerOf(ring);
+  ASSERT_TRUE(ring.writer && reader);
+  SharedRingWriter* writer = ring.writer.get();
   // Lengths that are and are not multiples of the padding, the empty
   // record and the longest; three records at a time, so that records
   // (and their headers) straddle the end of the area many times.
@@ -150,9 +162,10 @@ TEST(SharedRing, RecordsComeOutAsTheyWentInAcrossTheAreasEnd) {
 }
 
 TEST(SharedRing, AFullRingTakesNothingUntilTheReaderConsumes) {
-  auto writer = makeWriter();
-  auto reader = readerOf(*writer);
-  ASSERT_TRUE(writer && reader);
+  MadeRing ring = makeRing();
+  auto reader = readerOf(ring);
+  ASSERT_TRUE(ring.writer && reader);
+  SharedRingWriter* writer = ring.writer.get();
   // 100 bytes take 16 + 104: 34 fit in 4096 (4080), the 35th does not.
   const std::string record = recordBytes(100, 3);
   int accepted = 0;
@@ -176,9 +189,10 @@ TEST(SharedRing, AFullRingTakesNothingUntilTheReaderConsumes) {
 }
 
 TEST(SharedRing, TheBellRingsOnceForAReaderThatSleeps) {
-  auto writer = makeWriter();
-  auto reader = readerOf(*writer);
-  ASSERT_TRUE(writer && reader);
+  MadeRing ring = makeRing();
+  auto reader = readerOf(ring);
+  ASSERT_TRUE(ring.writer && reader);
+  SharedRingWriter* writer = ring.writer.get();
   const char byte = 'b';
   // A new ring's reader counts as polling.
   EXPECT_EQ(writer->push(&byte, 1, 0), Push::kPushed);
@@ -206,10 +220,11 @@ TEST(SharedRing, TheBellRingsOnceForAReaderThatSleeps) {
 
 TEST(SharedRing, AReaderRefusesImpossiblePositionsAndRecords) {
   {
-    auto writer = makeWriter();
-    auto reader = readerOf(*writer);
-    ASSERT_TRUE(writer && reader);
-    RawRing raw(*writer);
+    MadeRing ring = makeRing();
+    auto reader = readerOf(ring);
+    ASSERT_TRUE(ring.writer && reader);
+    SharedRingWriter* writer = ring.writer.get();
+    RawRing raw(ring);
     // A tail more than the area ahead of what was read.
     raw.setTail(kCapacity + 16);
     uint64_t tag = 0;
@@ -224,10 +239,11 @@ TEST(SharedRing, AReaderRefusesImpossiblePositionsAndRecords) {
     EXPECT_EQ(reader->peek(tag, length), Read::kCorrupt);
   }
   {
-    auto writer = makeWriter();
-    auto reader = readerOf(*writer);
-    ASSERT_TRUE(writer && reader);
-    RawRing raw(*writer);
+    MadeRing ring = makeRing();
+    auto reader = readerOf(ring);
+    ASSERT_TRUE(ring.writer && reader);
+    SharedRingWriter* writer = ring.writer.get();
+    RawRing raw(ring);
     // Less than a record header published.
     raw.setTail(8);
     uint64_t tag = 0;
@@ -239,10 +255,11 @@ TEST(SharedRing, AReaderRefusesImpossiblePositionsAndRecords) {
         "0 read)");
   }
   {
-    auto writer = makeWriter();
-    auto reader = readerOf(*writer);
-    ASSERT_TRUE(writer && reader);
-    RawRing raw(*writer);
+    MadeRing ring = makeRing();
+    auto reader = readerOf(ring);
+    ASSERT_TRUE(ring.writer && reader);
+    SharedRingWriter* writer = ring.writer.get();
+    RawRing raw(ring);
     const std::string record = recordBytes(10, 1);
     ASSERT_EQ(writer->push(record.data(), record.size(), 1), Push::kPushed);
     // The record's length rewritten past what was published (16 + 16).
@@ -259,9 +276,10 @@ TEST(SharedRing, AReaderRefusesImpossiblePositionsAndRecords) {
 }
 
 TEST(SharedRing, AWriterRefusesAnImpossibleReaderPosition) {
-  auto writer = makeWriter();
-  ASSERT_TRUE(writer);
-  RawRing raw(*writer);
+  MadeRing ring = makeRing();
+  ASSERT_TRUE(ring.writer);
+  SharedRingWriter* writer = ring.writer.get();
+  RawRing raw(ring);
   const char byte = 'w';
   ASSERT_EQ(writer->push(&byte, 1, 0), Push::kPushed); // tail 24
   // A head ahead of the tail.
@@ -284,7 +302,7 @@ TEST(SharedRing, OnlySealedPowerOfTwoMemfdsOfBoundedSizeAreMapped) {
   std::string why;
   int pipeFds[2];
   ASSERT_EQ(::pipe(pipeFds), 0);
-  EXPECT_EQ(SharedRingReader::mapOwn(pipeFds[0], kCapacity, why), nullptr);
+  EXPECT_EQ(SharedRingMemory::mapOwn(pipeFds[0], kCapacity, why), nullptr);
   EXPECT_EQ(why, "shared ring is not a memfd on tmpfs");
   ::close(pipeFds[0]);
   ::close(pipeFds[1]);
@@ -293,7 +311,7 @@ TEST(SharedRing, OnlySealedPowerOfTwoMemfdsOfBoundedSizeAreMapped) {
   int unsealed = ::memfd_create("unsealed", MFD_CLOEXEC);
   ASSERT_GE(unsealed, 0);
   ASSERT_EQ(::ftruncate(unsealed, off_t(ringBytesFor(kCapacity))), 0);
-  EXPECT_EQ(SharedRingReader::mapOwn(unsealed, kCapacity, why), nullptr);
+  EXPECT_EQ(SharedRingMemory::mapOwn(unsealed, kCapacity, why), nullptr);
   EXPECT_EQ(why, "shared ring is not sealed against shrinking");
   ::close(unsealed);
 
@@ -305,30 +323,30 @@ TEST(SharedRing, OnlySealedPowerOfTwoMemfdsOfBoundedSizeAreMapped) {
     return fd;
   };
   int small = sealedOf(kRingHeaderBytes + 64);
-  EXPECT_EQ(SharedRingReader::mapOwn(small, kCapacity, why), nullptr);
+  EXPECT_EQ(SharedRingMemory::mapOwn(small, kCapacity, why), nullptr);
   EXPECT_EQ(why, "shared ring is too small");
   ::close(small);
 
   int odd = sealedOf(kRingHeaderBytes + 3 * 4096);
-  EXPECT_EQ(SharedRingReader::mapOwn(odd, 4 * 4096, why), nullptr);
+  EXPECT_EQ(SharedRingMemory::mapOwn(odd, 4 * 4096, why), nullptr);
   EXPECT_EQ(why, "shared ring's data area is not a power of two");
   ::close(odd);
 
-  auto big = makeWriter(8 * kCapacity);
-  ASSERT_TRUE(big);
-  EXPECT_EQ(SharedRingReader::mapOwn(big->fd(), 4 * kCapacity, why), nullptr);
+  MadeRing big = makeRing(8 * kCapacity);
+  ASSERT_TRUE(big.writer);
+  EXPECT_EQ(SharedRingMemory::mapOwn(big.fd, 4 * kCapacity, why), nullptr);
   EXPECT_EQ(why, "shared ring is larger than this connection accepts");
-  EXPECT_NE(SharedRingReader::mapOwn(big->fd(), 8 * kCapacity, why), nullptr);
+  EXPECT_NE(SharedRingMemory::mapOwn(big.fd, 8 * kCapacity, why), nullptr);
 
   EXPECT_EQ(
-      SharedRingReader::mapPeer(::getpid(), 1 << 30, kCapacity, why),
+      SharedRingMemory::mapPeer(::getpid(), 1 << 30, kCapacity, why),
       nullptr);
   EXPECT_EQ(
       why,
       "cannot open the peer's shared ring: No such file or directory");
 
-  EXPECT_THROW(SharedRingWriter::create(3000, why), c10::Error);
-  EXPECT_THROW(SharedRingWriter::create(2048, why), c10::Error);
+  EXPECT_THROW(SharedRingMemory::create(3000, 7, why), c10::Error);
+  EXPECT_THROW(SharedRingMemory::create(2048, 7, why), c10::Error);
 }
 
 // ---- Two processes ----
@@ -394,29 +412,38 @@ bool pushRinging(
 }
 
 TEST(SharedRing, TwoProcessesEchoThroughAPairOfRingsWakingEachOther) {
+  // As a connection does: each side makes the ring it reads, and the
+  // other side maps it to write. The child's ring reaches the parent by
+  // its descriptor's number (mapped through /proc, as from a peer); the
+  // parent's reaches the child over fork().
   constexpr int kRecords = 3000;
   constexpr uint64_t kStop = ~uint64_t(0);
-  auto toChild = makeWriter(16 * kCapacity);
-  ASSERT_TRUE(toChild);
+  std::string why;
+  auto repliesMemory = SharedRingMemory::create(16 * kCapacity, 7, why);
+  ASSERT_NE(repliesMemory, nullptr) << why;
+  const int repliesFd = repliesMemory->fd();
+  SharedRingReader replies(std::move(repliesMemory));
   int bellToChild[2];
   int bellToParent[2];
   int fdNumber[2];
   ASSERT_EQ(::pipe(bellToChild), 0);
   ASSERT_EQ(::pipe(bellToParent), 0);
   ASSERT_EQ(::pipe(fdNumber), 0);
-  const int ringToChild = toChild->fd();
 
   testing::ChildProcesses children;
   const pid_t child = children.spawn([&]() {
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     ::alarm(120);
     std::string why;
-    auto toParent = SharedRingWriter::create(16 * kCapacity, why);
-    ASSERT_NE(toParent, nullptr) << why;
-    const int number = toParent->fd();
+    auto requestsMemory = SharedRingMemory::create(16 * kCapacity, 11, why);
+    ASSERT_NE(requestsMemory, nullptr) << why;
+    const int number = requestsMemory->fd();
+    SharedRingReader requests(std::move(requestsMemory));
     ASSERT_EQ(::write(fdNumber[1], &number, sizeof(number)), 4);
-    auto requests = SharedRingReader::mapOwn(ringToChild, 16 * kCapacity, why);
-    ASSERT_NE(requests, nullptr) << why;
+    auto toParentMemory =
+        SharedRingMemory::mapOwn(repliesFd, 16 * kCapacity, why);
+    ASSERT_NE(toParentMemory, nullptr) << why;
+    SharedRingWriter toParent(std::move(toParentMemory));
     const auto deadline =
         std::chrono::steady_clock::now() + std::chrono::seconds(60);
     int bells = 0;
@@ -425,10 +452,10 @@ TEST(SharedRing, TwoProcessesEchoThroughAPairOfRingsWakingEachOther) {
       size_t length = 0;
       // Sleeps at once when nothing is there: the parent must ring.
       ASSERT_TRUE(
-          waitForRecord(*requests, bellToChild[0], 1, deadline, tag, length))
-          << requests->why();
+          waitForRecord(requests, bellToChild[0], 1, deadline, tag, length))
+          << requests.why();
       std::string bytes(length, '\0');
-      requests->take(bytes.data());
+      requests.take(bytes.data());
       if (tag == kStop) {
         break;
       }
@@ -436,7 +463,7 @@ TEST(SharedRing, TwoProcessesEchoThroughAPairOfRingsWakingEachOther) {
         c = static_cast<char>(c + 1);
       }
       ASSERT_TRUE(pushRinging(
-          *toParent,
+          toParent,
           bellToParent[1],
           bytes,
           tag * 2,
@@ -448,23 +475,26 @@ TEST(SharedRing, TwoProcessesEchoThroughAPairOfRingsWakingEachOther) {
 
   int number = -1;
   ASSERT_EQ(::read(fdNumber[0], &number, sizeof(number)), 4);
-  std::string why;
-  auto replies = SharedRingReader::mapPeer(child, number, 16 * kCapacity, why);
-  ASSERT_NE(replies, nullptr) << why;
+  auto toChildMemory =
+      SharedRingMemory::mapPeer(child, number, 16 * kCapacity, why);
+  ASSERT_NE(toChildMemory, nullptr) << why;
+  // The child's header, as the child made it.
+  EXPECT_EQ(toChildMemory->cookie(), 11u);
+  SharedRingWriter toChild(std::move(toChildMemory));
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::seconds(60);
   int bells = 0;
   for (int i = 0; i < kRecords; ++i) {
     const std::string request = recordBytes(static_cast<size_t>(i % 700), i);
     ASSERT_TRUE(
-        pushRinging(*toChild, bellToChild[1], request, i, deadline, bells));
+        pushRinging(toChild, bellToChild[1], request, i, deadline, bells));
     uint64_t tag = 0;
     size_t length = 0;
     ASSERT_TRUE(
-        waitForRecord(*replies, bellToParent[0], 1000, deadline, tag, length))
-        << replies->why();
+        waitForRecord(replies, bellToParent[0], 1000, deadline, tag, length))
+        << replies.why();
     std::string reply(length, '\0');
-    replies->take(reply.data());
+    replies.take(reply.data());
     std::string expected = request;
     for (char& c : expected) {
       c = static_cast<char>(c + 1);
@@ -474,8 +504,7 @@ TEST(SharedRing, TwoProcessesEchoThroughAPairOfRingsWakingEachOther) {
   }
   // The child sleeps whenever it has answered, so requests had to wake it.
   EXPECT_GT(bells, 0);
-  ASSERT_TRUE(
-      pushRinging(*toChild, bellToChild[1], "", kStop, deadline, bells));
+  ASSERT_TRUE(pushRinging(toChild, bellToChild[1], "", kStop, deadline, bells));
   EXPECT_EQ(children.wait(child, std::chrono::seconds(30)), 0);
   for (int fd :
        {bellToChild[0],

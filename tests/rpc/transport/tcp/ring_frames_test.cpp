@@ -1,0 +1,484 @@
+// Small frames through shared rings between TCP connections of one host
+// (Note [Shared rings for small frames] in rpc/transport/tcp/shared_ring.h):
+// which messages take the ring, one order over ring and socket, a reader
+// asleep woken by the bell, when no ring is offered, and a peer that
+// offers bad rings or writes bad records.
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/support/negotiated_raw_peer.h"
+#include "tests/support/patterned_bytes.h"
+#include "tests/support/tcp_peers.h"
+#include "tests/support/transport_harness.h"
+#include "torchrpc/rpc/transport/tcp/frame.h"
+#include "torchrpc/rpc/transport/tcp/shared_ring.h"
+#include "torchrpc/rpc/transport/tcp/tcp_transport.h"
+
+namespace torchrpc {
+namespace rpc {
+namespace {
+
+using namespace harness;
+using namespace std::chrono_literals;
+using detail::tcp::RingPiece;
+using detail::tcp::SharedRingMemory;
+using detail::tcp::SharedRingWriter;
+
+// Polling on (the default of Options; the transport's own default is off):
+// a reader that polls offers a ring.
+detail::TcpTransportOptions pollingOptions(std::string name) {
+  detail::TcpTransportOptions options = testOptions(std::move(name));
+  options.pollAfterTraffic = 1000us;
+  options.pollWhileAwaiting = 20000us;
+  return options;
+}
+
+// A connected pair in this process whose same-host negotiation, ring
+// offers included, is over: a message each way, twice (a side offers its
+// ring after the other's probe or result, so the first exchange may
+// overtake it).
+struct Pair {
+  Pair(
+      detail::TcpTransportOptions serverOptions,
+      detail::TcpTransportOptions clientOptions)
+      : server(serverOptions),
+        client(clientOptions),
+        acceptor(server) {
+    connection = client.connect(server.address());
+    clientInbox = startWithInbox(connection);
+    for (size_t i = 1; i <= 2; ++i) {
+      connection->send(makeMessage("hello"), [](const TransportError*) {});
+      if (i == 1) {
+        accepted = acceptor.waitFor(0);
+        EXPECT_TRUE(accepted.connection);
+      }
+      EXPECT_TRUE(accepted.inbox->waitForMessages(i, kTimeout));
+      accepted.connection->send(makeMessage("hi"), [](const TransportError*) {
+      });
+      EXPECT_TRUE(clientInbox->waitForMessages(i, kTimeout));
+    }
+  }
+
+  detail::TcpTransport server;
+  detail::TcpTransport client;
+  Acceptor acceptor;
+  std::shared_ptr<Connection> connection;
+  std::shared_ptr<Inbox> clientInbox;
+  Acceptor::Accepted accepted;
+};
+
+TEST(TcpSharedRing, SmallMessagesTakeTheRingAndEveryMessageKeepsItsOrder) {
+  Pair pair(pollingOptions("server"), pollingOptions("client"));
+  const uint64_t before = pair.server.stats().ringFrames;
+  // Small ones take the ring; 100 KiB (over a quarter of the 256 KiB
+  // ring) and 1 MiB (a shared segment) take the socket. Mixed, so that
+  // each path overtakes the other unless the reader orders them.
+  std::vector<Message> sent;
+  size_t small = 0;
+  for (int i = 0; i < 300; ++i) {
+    std::vector<at::Tensor> tensors;
+    if (i % 7 == 3) {
+      tensors.push_back(patterned(100 << 10, i));
+    } else if (i % 31 == 5) {
+      tensors.push_back(patterned(1 << 20, i));
+    } else {
+      tensors.push_back(patterned(4 * (i % 50), i));
+      ++small;
+    }
+    sent.push_back(makeMessage("m" + std::to_string(i), tensors));
+  }
+  for (const Message& message : sent) {
+    Message copy = message;
+    pair.connection->send(std::move(copy), [](const TransportError* error) {
+      EXPECT_EQ(error, nullptr);
+    });
+  }
+  ASSERT_TRUE(pair.accepted.inbox->waitForMessages(2 + sent.size(), kTimeout));
+  const std::vector<Message> got = pair.accepted.inbox->messages();
+  for (size_t i = 0; i < sent.size(); ++i) {
+    const Message& message = got[2 + i];
+    ASSERT_EQ(message.header, sent[i].header);
+    ASSERT_EQ(message.tensors.size(), 1u);
+    EXPECT_TRUE(sameBytes(message.tensors[0], sent[i].tensors[0])) << i;
+  }
+  EXPECT_EQ(pair.server.stats().ringFrames - before, small);
+  // And the other way.
+  const uint64_t clientBefore = pair.client.stats().ringFrames;
+  for (int i = 0; i < 20; ++i) {
+    pair.accepted.connection->send(
+        makeMessage("back", {patterned(64, i)}),
+        [](const TransportError*) {});
+  }
+  ASSERT_TRUE(pair.clientInbox->waitForMessages(2 + 20, kTimeout));
+  EXPECT_EQ(pair.client.stats().ringFrames - clientBefore, 20u);
+  EXPECT_TRUE(pair.accepted.inbox->errors().empty());
+  EXPECT_TRUE(pair.clientInbox->errors().empty());
+}
+
+TEST(TcpSharedRing, AReaderAsleepIsWokenByTheBell) {
+  // No heartbeat wakes a thread meanwhile: without the bell, the record
+  // would wait for the next one, a minute away.
+  auto quiet = [](std::string name) {
+    detail::TcpTransportOptions options = pollingOptions(std::move(name));
+    options.heartbeatInterval = std::chrono::seconds(60);
+    options.peerTimeout = std::chrono::seconds(600);
+    return options;
+  };
+  Pair pair(quiet("server"), quiet("client"));
+  for (int round = 0; round < 3; ++round) {
+    // Longer than both sides poll after traffic (1 ms; 20 ms while
+    // awaiting, and nothing is awaited): both io threads sleep, and the
+    // server's ring is marked asleep. A record then reaches the server
+    // only through the bell.
+    std::this_thread::sleep_for(100ms);
+    const uint64_t before = pair.server.stats().ringFrames;
+    const size_t count = pair.accepted.inbox->messages().size();
+    pair.connection->send(
+        makeMessage("after a quiet spell", {patterned(16, round)}),
+        [](const TransportError*) {});
+    ASSERT_TRUE(pair.accepted.inbox->waitForMessages(count + 1, 5s));
+    EXPECT_EQ(
+        pair.accepted.inbox->messages().back().header,
+        "after a quiet spell");
+    EXPECT_EQ(pair.server.stats().ringFrames - before, 1u);
+  }
+}
+
+TEST(TcpSharedRing, NoRingWithoutPollingSharedMemoryOrItsOption) {
+  struct Case {
+    std::string what;
+    detail::TcpTransportOptions server;
+  };
+  detail::TcpTransportOptions noRing = pollingOptions("server");
+  noRing.sharedRingBytes = 0;
+  detail::TcpTransportOptions noSharedMemory = pollingOptions("server");
+  noSharedMemory.sharedMemoryMaxBytes = 0;
+  const std::vector<Case> cases = {
+      {"the reader does not poll", testOptions("server")},
+      {"sharedRingBytes 0", noRing},
+      {"no shared memory", noSharedMemory},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    Pair pair(c.server, pollingOptions("client"));
+    for (int i = 0; i < 10; ++i) {
+      pair.connection->send(
+          makeMessage("small", {patterned(8, i)}),
+          [](const TransportError*) {});
+    }
+    ASSERT_TRUE(pair.accepted.inbox->waitForMessages(12, kTimeout));
+    EXPECT_EQ(pair.server.stats().ringFrames, 0u);
+  }
+  detail::TcpTransportOptions odd = pollingOptions("odd");
+  odd.sharedRingBytes = 5000;
+  try {
+    detail::TcpTransport transport(odd);
+    ADD_FAILURE() << "a ring of 5000 bytes was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(
+        std::string(e.what()).find(
+            "sharedRingBytes must be 0 or a power of two from 4096 to "
+            "16777216 bytes, got 5000"),
+        std::string::npos)
+        << e.what();
+  }
+}
+
+// ---- A peer on this host that lies ----
+
+class TcpSharedRingHostile : public TcpListenerFixture {
+ protected:
+  detail::TcpTransportOptions serverOptions() override {
+    return pollingOptions("server");
+  }
+
+  // A negotiated raw peer, its accepted connection, and the server's ring
+  // mapped for writing (its offer read off the socket).
+  struct Liar {
+    explicit Liar(int port) : peer(port) {}
+    NegotiatedRawPeer peer;
+    Acceptor::Accepted accepted;
+    std::unique_ptr<SharedRingWriter> ring;
+    int ringFd = -1; // the server's, which is this process
+    // Frames written on the socket so far: hello, probe.
+    uint64_t socketFrames = 2;
+
+    // Writes `bytes` as one record tagged with the socket's count (or
+    // `tag`), ringing when asked unless `quiet`. False if the push failed.
+    bool push(const std::string& bytes, int64_t tag = -1, bool quiet = false) {
+      const RingPiece piece{bytes.data(), bytes.size()};
+      const auto pushed = ring->push(
+          &piece,
+          1,
+          tag < 0 ? socketFrames : static_cast<uint64_t>(tag));
+      if (pushed == SharedRingWriter::Push::kPushedRingBell && !quiet) {
+        ++socketFrames;
+        return peer.raw().write(detail::tcp::encodeFrameHeader(
+            detail::tcp::FrameType::kRingBell,
+            0,
+            0));
+      }
+      return pushed == SharedRingWriter::Push::kPushed ||
+          pushed == SharedRingWriter::Push::kPushedRingBell;
+    }
+    bool writeSocket(const std::string& frame) {
+      ++socketFrames;
+      return peer.raw().write(frame);
+    }
+  };
+
+  std::unique_ptr<Liar> negotiatedLiar() {
+    size_t index = acceptor_->count();
+    auto liar = std::make_unique<Liar>(port_);
+    EXPECT_TRUE(liar->peer.negotiate());
+    liar->accepted = acceptor_->waitFor(index);
+    EXPECT_NE(liar->accepted.connection, nullptr);
+    // The server's kRingOffer {u64 fd | u64 cookie}, right after its
+    // kCmaResult.
+    const std::string offer =
+        liar->peer.raw().read(detail::tcp::kFrameHeaderBytes + 16);
+    EXPECT_EQ(offer.size(), detail::tcp::kFrameHeaderBytes + 16);
+    if (offer.size() != detail::tcp::kFrameHeaderBytes + 16) {
+      return liar;
+    }
+    EXPECT_EQ(
+        detail::tcp::decodeFrameHeader(
+            reinterpret_cast<const unsigned char*>(offer.data()))
+            .type,
+        detail::tcp::FrameType::kRingOffer);
+    uint64_t fd = 0;
+    uint64_t cookie = 0;
+    std::memcpy(&fd, offer.data() + detail::tcp::kFrameHeaderBytes, 8);
+    std::memcpy(&cookie, offer.data() + detail::tcp::kFrameHeaderBytes + 8, 8);
+    std::string why;
+    // The server is this process: its fd is ours.
+    auto memory = SharedRingMemory::mapOwn(static_cast<int>(fd), 1 << 24, why);
+    EXPECT_NE(memory, nullptr) << why;
+    EXPECT_EQ(memory->cookie(), cookie);
+    if (memory != nullptr) {
+      liar->ringFd = static_cast<int>(fd);
+      liar->ring = std::make_unique<SharedRingWriter>(std::move(memory));
+    }
+    return liar;
+  }
+
+  void expectFailed(Liar& liar, const std::string& reason) {
+    ASSERT_TRUE(liar.accepted.inbox->waitForError());
+    const TransportError error = liar.accepted.inbox->errors()[0];
+    EXPECT_EQ(error.code, ErrorCode::kMalformedMessage);
+    EXPECT_NE(error.detail.find(reason), std::string::npos) << error.detail;
+    EXPECT_TRUE(liar.peer.raw().waitClosedByServer());
+  }
+};
+
+std::string dataFrame(const std::string& header) {
+  return detail::tcp::encodeDataPrefix(
+             static_cast<uint32_t>(header.size()),
+             {},
+             0,
+             {},
+             {}) +
+      header;
+}
+
+TEST_F(TcpSharedRingHostile, RecordsAreDeliveredInTheSocketsOrder) {
+  auto liar = negotiatedLiar();
+  ASSERT_TRUE(liar->ring);
+  // Published first, but it follows the socket's next frame (tag 3). No
+  // bell, whatever the server's state: a bell would be that frame.
+  ASSERT_TRUE(liar->push(dataFrame("second"), 3, /*quiet=*/true));
+  std::this_thread::sleep_for(50ms);
+  EXPECT_TRUE(liar->accepted.inbox->messages().empty());
+  ASSERT_TRUE(liar->writeSocket(dataFrame("first")));
+  ASSERT_TRUE(liar->push(dataFrame("third")));
+  ASSERT_TRUE(liar->accepted.inbox->waitForMessages(3, kTimeout));
+  const auto got = liar->accepted.inbox->messages();
+  EXPECT_EQ(got[0].header, "first");
+  EXPECT_EQ(got[1].header, "second");
+  EXPECT_EQ(got[2].header, "third");
+  // Two frames in one record are two messages.
+  ASSERT_TRUE(liar->push(dataFrame("fourth") + dataFrame("fifth")));
+  ASSERT_TRUE(liar->accepted.inbox->waitForMessages(5, kTimeout));
+  EXPECT_EQ(liar->accepted.inbox->messages()[4].header, "fifth");
+  EXPECT_TRUE(liar->accepted.inbox->errors().empty());
+}
+
+TEST_F(TcpSharedRingHostile, BadRecordsFailOnlyTheirConnection) {
+  using detail::tcp::encodeFrameHeader;
+  using detail::tcp::FrameType;
+  struct Case {
+    std::string what;
+    std::string record;
+    int64_t tag;
+    std::string reason;
+  };
+  const std::string heartbeat = encodeFrameHeader(FrameType::kHeartbeat, 0, 0);
+  const std::string whole = dataFrame(std::string(100, 'x'));
+  const std::vector<Case> cases = {
+      {"an earlier place than the socket's",
+       dataFrame("late"),
+       1,
+       "a record in the shared ring is out of order (it follows socket frame "
+       "1, 2 were read)"},
+      {"a control frame",
+       heartbeat,
+       -1,
+       "a shared ring carries data frames only, not frame type 5"},
+      {"a frame cut short",
+       whole.substr(0, 60),
+       -1,
+       "a frame in the shared ring is cut short"},
+      {"a frame claiming a tensor far longer than its record",
+       detail::tcp::encodeDataPrefix(0, {size_t(1) << 30}, 0, {}, {}) +
+           std::string(64, 't'),
+       -1,
+       "a frame in the shared ring is cut short"},
+      {"a record larger than a quarter of the ring",
+       std::string((64 << 10) + 8, 'x'),
+       -1,
+       "a record in the shared ring of 65544 bytes (a frame of 16 to 65536 "
+       "expected)"},
+      {"bad magic", std::string(16, 'z'), -1, "bad magic"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    auto liar = negotiatedLiar();
+    ASSERT_TRUE(liar->ring);
+    ASSERT_TRUE(liar->push(c.record, c.tag));
+    // Whether or not the server sleeps: a socket frame after the record
+    // makes it due at the latest there.
+    liar->writeSocket(encodeFrameHeader(FrameType::kHeartbeat, 0, 0));
+    expectFailed(*liar, c.reason);
+    EXPECT_TRUE(liar->accepted.inbox->messages().empty());
+  }
+  expectListenerHealthy();
+}
+
+TEST_F(TcpSharedRingHostile, AWriterPositionPastTheRingFailsTheConnection) {
+  auto liar = negotiatedLiar();
+  ASSERT_TRUE(liar->ring);
+  ASSERT_TRUE(liar->push(dataFrame("fine")));
+  ASSERT_TRUE(liar->accepted.inbox->waitForMessages(1, kTimeout));
+  // The ring's tail, moved past anything the area can hold, through a
+  // mapping of our own.
+  const size_t bytes = detail::tcp::ringBytesFor(liar->ring->capacity());
+  void* base = ::mmap(
+      nullptr,
+      bytes,
+      PROT_READ | PROT_WRITE,
+      MAP_SHARED,
+      liar->ringFd,
+      0);
+  ASSERT_NE(base, MAP_FAILED);
+  const uint64_t tail = uint64_t(1) << 40;
+  std::memcpy(base, &tail, sizeof(tail));
+  ::munmap(base, bytes);
+  liar->writeSocket(
+      detail::tcp::encodeFrameHeader(detail::tcp::FrameType::kHeartbeat, 0, 0));
+  expectFailed(*liar, "the writer's position in the shared ring is impossible");
+  EXPECT_EQ(liar->accepted.inbox->messages().size(), 1u);
+  expectListenerHealthy();
+}
+
+TEST_F(TcpSharedRingHostile, BadOffersAndBellsAreRefused) {
+  int pipeFds[2];
+  ASSERT_EQ(::pipe(pipeFds), 0);
+  auto sealed = [](size_t bytes) {
+    int fd = ::memfd_create("ring", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    EXPECT_GE(fd, 0);
+    EXPECT_EQ(::ftruncate(fd, off_t(bytes)), 0);
+    EXPECT_EQ(::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
+    return fd;
+  };
+  const int odd = sealed(4096 + 3 * 4096);
+  const int huge = sealed(4096 + (size_t(32) << 20));
+  auto offer = [](uint64_t fd, uint64_t cookie = 7) {
+    std::string body;
+    detail::tcp::appendU64(body, fd);
+    detail::tcp::appendU64(body, cookie);
+    return detail::tcp::encodeFrameHeader(
+               detail::tcp::FrameType::kRingOffer,
+               16,
+               0) +
+        body;
+  };
+  // A real ring of ours, whose header says 7.
+  std::string why;
+  auto ours = SharedRingMemory::create(1 << 16, 7, why);
+  ASSERT_NE(ours, nullptr) << why;
+  struct Case {
+    std::string what;
+    std::string frame;
+    std::string reason;
+  };
+  const std::vector<Case> cases = {
+      {"a pipe", offer(pipeFds[0]), "shared ring is not a memfd on tmpfs"},
+      {"no such fd", offer(1 << 30), "cannot open the peer's shared ring"},
+      {"not a power of two",
+       offer(odd),
+       "shared ring's data area is not a power of two"},
+      {"too large",
+       offer(huge),
+       "shared ring is larger than this connection accepts"},
+      {"an fd out of range",
+       offer(uint64_t(1) << 40),
+       "unexpected shared ring offer"},
+      {"a cookie that is not the ring's",
+       offer(ours->fd(), 8),
+       "the shared ring mapped is not the one offered"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    // The server of this fixture polls, so it offers a ring: this case's
+    // server reads ours. Read its offer, then send ours.
+    auto liar = negotiatedLiar();
+    ASSERT_TRUE(liar->writeSocket(c.frame));
+    expectFailed(*liar, c.reason);
+  }
+  // An offer, or a bell, from a peer that did not negotiate shared
+  // memory (the server then has no ring for it either).
+  const std::vector<Case> unnegotiated = {
+      {"an offer", offer(3), "unexpected shared ring offer"},
+      {"a bell",
+       detail::tcp::encodeFrameHeader(detail::tcp::FrameType::kRingBell, 0, 0),
+       "unexpected shared ring bell"},
+  };
+  for (const Case& c : unnegotiated) {
+    SCOPED_TRACE(c.what);
+    size_t index = acceptor_->count();
+    RawPeer peer(port_);
+    ASSERT_TRUE(peer.connected());
+    ASSERT_TRUE(peer.write(rawHello("raw", false)));
+    ASSERT_EQ(peer.read(16).size(), 16u);
+    auto accepted = acceptor_->waitFor(index);
+    ASSERT_NE(accepted.connection, nullptr);
+    ASSERT_TRUE(peer.write(c.frame));
+    ASSERT_TRUE(accepted.inbox->waitForError());
+    EXPECT_EQ(accepted.inbox->errors()[0].code, ErrorCode::kMalformedMessage);
+    EXPECT_NE(
+        accepted.inbox->errors()[0].detail.find(c.reason),
+        std::string::npos)
+        << accepted.inbox->errors()[0].detail;
+  }
+  ::close(pipeFds[0]);
+  ::close(pipeFds[1]);
+  ::close(odd);
+  ::close(huge);
+  expectListenerHealthy();
+}
+
+} // namespace
+} // namespace rpc
+} // namespace torchrpc
