@@ -73,8 +73,8 @@ TcpConnectionImpl::TcpConnectionImpl(
           &context_->copier) {}
 
 TcpConnectionImpl::~TcpConnectionImpl() {
-  // Our ring dies with us (the watch let go of it when we failed); the
-  // peer's mapping keeps its pages until the peer unmaps.
+  // A connection that never failed still holds its ring's share (the
+  // peer's mapping keeps the pages until the peer unmaps).
   context_->segmentBytes->fetch_sub(ringCharged_);
 }
 
@@ -436,6 +436,12 @@ void TcpConnectionImpl::reportFromLoop() {
     context_->rings.remove(ringWatchId_);
     ringWatchId_ = 0;
   }
+  // Nothing reads our ring any more: its memory and its share of the
+  // budget go now, not when the last handle on this connection does.
+  ringIn_.reset();
+  ringRecord_.reset();
+  readingRing_ = false;
+  context_->segmentBytes->fetch_sub(std::exchange(ringCharged_, 0));
   context_->forget(id_);
   if (onError) {
     onError(error);

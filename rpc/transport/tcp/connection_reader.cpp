@@ -1088,8 +1088,9 @@ void TcpConnectionImpl::onRingRecordsFromLoop() {
   TORCHRPC_ASSERT_IN_LOOP();
   // Only a reader that waits at a frame's start for the socket reads them
   // now; one in a frame reads them when it ends.
-  if (!reading_ || drivingReads_ || fillThen_ == nullptr ||
-      !atFrameStartFromLoop() || readBegin_ != readEnd_ || failedAlready()) {
+  if (ringIn_ == nullptr || !reading_ || drivingReads_ ||
+      fillThen_ == nullptr || !atFrameStartFromLoop() ||
+      readBegin_ != readEnd_ || failedAlready()) {
     return;
   }
   driveReadsFromLoop();

@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/support/eventually.h"
 #include "tests/support/negotiated_raw_peer.h"
 #include "tests/support/patterned_bytes.h"
 #include "tests/support/tcp_peers.h"
@@ -165,10 +166,15 @@ TEST(TcpSharedRing, NoRingWithoutPollingSharedMemoryOrItsOption) {
   noRing.sharedRingBytes = 0;
   detail::TcpTransportOptions noSharedMemory = pollingOptions("server");
   noSharedMemory.sharedMemoryMaxBytes = 0;
+  // Rings count against the shared memory budget: one of 256 KiB and its
+  // header page does not fit in 256 KiB.
+  detail::TcpTransportOptions smallBudget = pollingOptions("server");
+  smallBudget.sharedMemoryMaxBytes = size_t(256) << 10;
   const std::vector<Case> cases = {
       {"the reader does not poll", testOptions("server")},
       {"sharedRingBytes 0", noRing},
       {"no shared memory", noSharedMemory},
+      {"a budget smaller than the ring", smallBudget},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
@@ -194,6 +200,49 @@ TEST(TcpSharedRing, NoRingWithoutPollingSharedMemoryOrItsOption) {
         std::string::npos)
         << e.what();
   }
+}
+
+TEST(TcpSharedRing, ARingsBytesReturnToTheBudgetWithItsConnection) {
+  // A budget of exactly one ring: the second connection gets one only if
+  // the first gave its share back when it closed.
+  detail::TcpTransportOptions oneRing = pollingOptions("server");
+  oneRing.sharedMemoryMaxBytes =
+      detail::tcp::ringBytesFor(oneRing.sharedRingBytes);
+  Pair pair(oneRing, pollingOptions("client"));
+  auto sendSmall = [](Connection& connection) {
+    for (int i = 0; i < 10; ++i) {
+      connection.send(
+          makeMessage("small", {patterned(8, i)}),
+          [](const TransportError*) {});
+    }
+  };
+  const uint64_t before = pair.server.stats().ringFrames;
+  sendSmall(*pair.connection);
+  ASSERT_TRUE(pair.accepted.inbox->waitForMessages(12, kTimeout));
+  EXPECT_EQ(pair.server.stats().ringFrames - before, 10u);
+  pair.connection->close();
+  ASSERT_TRUE(pair.accepted.inbox->waitForError());
+  ASSERT_TRUE(torchrpc::testing::eventually(
+      [&]() { return pair.server.stats().connectionsOpen == 0; },
+      kTimeout));
+
+  auto second = pair.client.connect(pair.server.address());
+  auto secondInbox = startWithInbox(second);
+  Acceptor::Accepted accepted;
+  for (size_t i = 1; i <= 2; ++i) {
+    second->send(makeMessage("hello"), [](const TransportError*) {});
+    if (i == 1) {
+      accepted = pair.acceptor.waitFor(1);
+      ASSERT_TRUE(accepted.connection);
+    }
+    ASSERT_TRUE(accepted.inbox->waitForMessages(i, kTimeout));
+    accepted.connection->send(makeMessage("hi"), [](const TransportError*) {});
+    ASSERT_TRUE(secondInbox->waitForMessages(i, kTimeout));
+  }
+  const uint64_t again = pair.server.stats().ringFrames;
+  sendSmall(*second);
+  ASSERT_TRUE(accepted.inbox->waitForMessages(12, kTimeout));
+  EXPECT_EQ(pair.server.stats().ringFrames - again, 10u);
 }
 
 // ---- A peer on this host that lies ----
