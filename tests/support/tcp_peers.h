@@ -359,6 +359,44 @@ inline std::string readUntil(
   return out;
 }
 
+// A connected pair of TCP transports in this process, after `exchanges`
+// messages each way ("hello" from the client, "hi" back), so that what a
+// connection settles after its handshake (same-host zero copy, shared
+// memory, shared rings) has settled.
+struct ConnectedPair {
+  explicit ConnectedPair(
+      detail::TcpTransportOptions serverOptions = testOptions("server"),
+      detail::TcpTransportOptions clientOptions = testOptions("client"),
+      size_t exchanges = 1)
+      : server(std::move(serverOptions)),
+        client(std::move(clientOptions)),
+        acceptor(server) {
+    connection = client.connect(server.address());
+    clientInbox = startWithInbox(connection);
+    for (size_t i = 1; i <= exchanges; ++i) {
+      connection->send(makeMessage("hello"), [](const TransportError*) {});
+      if (i == 1) {
+        accepted = acceptor.waitFor(0);
+        EXPECT_TRUE(accepted.connection);
+        if (!accepted.connection) {
+          return;
+        }
+      }
+      EXPECT_TRUE(accepted.inbox->waitForMessages(i, kTimeout));
+      accepted.connection->send(makeMessage("hi"), [](const TransportError*) {
+      });
+      EXPECT_TRUE(clientInbox->waitForMessages(i, kTimeout));
+    }
+  }
+
+  detail::TcpTransport server;
+  detail::TcpTransport client;
+  Acceptor acceptor;
+  std::shared_ptr<Connection> connection;
+  std::shared_ptr<Inbox> clientInbox;
+  Acceptor::Accepted accepted;
+};
+
 // A TcpTransport or TensorPipeTransport echo server in a forked child. The
 // child echoes each message back, except "ack" messages, answered with an
 // empty one. `beforeReady`, if given, runs in the child once it listens and

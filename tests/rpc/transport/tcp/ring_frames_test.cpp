@@ -46,38 +46,17 @@ detail::TcpTransportOptions pollingOptions(std::string name) {
   return options;
 }
 
-// A connected pair in this process whose same-host negotiation, ring
-// offers included, is over: a message each way, twice (a side offers its
-// ring after the other's probe or result, so the first exchange may
-// overtake it).
-struct Pair {
+// A connected pair whose same-host negotiation, ring offers included, is
+// over: a side offers its ring after the other's probe or result, so the
+// first exchange may overtake it; the second cannot.
+struct Pair : ConnectedPair {
   Pair(
       detail::TcpTransportOptions serverOptions,
       detail::TcpTransportOptions clientOptions)
-      : server(serverOptions),
-        client(clientOptions),
-        acceptor(server) {
-    connection = client.connect(server.address());
-    clientInbox = startWithInbox(connection);
-    for (size_t i = 1; i <= 2; ++i) {
-      connection->send(makeMessage("hello"), [](const TransportError*) {});
-      if (i == 1) {
-        accepted = acceptor.waitFor(0);
-        EXPECT_TRUE(accepted.connection);
-      }
-      EXPECT_TRUE(accepted.inbox->waitForMessages(i, kTimeout));
-      accepted.connection->send(makeMessage("hi"), [](const TransportError*) {
-      });
-      EXPECT_TRUE(clientInbox->waitForMessages(i, kTimeout));
-    }
-  }
-
-  detail::TcpTransport server;
-  detail::TcpTransport client;
-  Acceptor acceptor;
-  std::shared_ptr<Connection> connection;
-  std::shared_ptr<Inbox> clientInbox;
-  Acceptor::Accepted accepted;
+      : ConnectedPair(
+            std::move(serverOptions),
+            std::move(clientOptions),
+            /*exchanges=*/2) {}
 };
 
 TEST(TcpSharedRing, SmallMessagesTakeTheRingAndEveryMessageKeepsItsOrder) {

@@ -236,32 +236,9 @@ TEST(SharedSegments, IdleMappingsAreBounded) {
 
 // ---- Over connections ----
 
-// A connected pair in this process, after one message each way (so the
-// same-host negotiation has completed).
-struct Pair {
-  explicit Pair(
-      detail::TcpTransportOptions serverOptions = testOptions("server"),
-      detail::TcpTransportOptions clientOptions = testOptions("client"))
-      : server(serverOptions),
-        client(clientOptions),
-        acceptor(server) {
-    connection = client.connect(server.address());
-    clientInbox = startWithInbox(connection);
-    connection->send(makeMessage("hello"), [](const TransportError*) {});
-    accepted = acceptor.waitFor(0);
-    EXPECT_TRUE(accepted.connection);
-    EXPECT_TRUE(accepted.inbox->waitForMessages(1, kTimeout));
-    accepted.connection->send(makeMessage("hi"), [](const TransportError*) {});
-    EXPECT_TRUE(clientInbox->waitForMessages(1, kTimeout));
-  }
-
-  detail::TcpTransport server;
-  detail::TcpTransport client;
-  Acceptor acceptor;
-  std::shared_ptr<Connection> connection;
-  std::shared_ptr<Inbox> clientInbox;
-  Acceptor::Accepted accepted;
-};
+// A connected pair after one message each way (so the same-host
+// negotiation has completed).
+using Pair = ConnectedPair;
 
 TEST(TcpSharedMemory, LargeTensorsArriveInSegmentsAndSmallOnesInline) {
   Pair pair;
