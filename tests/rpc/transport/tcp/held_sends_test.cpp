@@ -36,12 +36,15 @@ constexpr std::chrono::microseconds kLongPoll = std::chrono::seconds(1);
 constexpr std::chrono::microseconds kNoPoll{0};
 // Options with heartbeats far apart: a heartbeat read on `talk` would
 // write held frames too (a read loop writes what its connection queued).
+// No shared rings: held sends are the socket's (a ring frame is written at
+// once), and a ring offer arriving during a test is one more read.
 detail::TcpTransportOptions quietOptions(
     std::string name,
     std::chrono::microseconds poll) {
   auto options = pollingOptions(std::move(name), poll);
   options.heartbeatInterval = std::chrono::seconds(60);
   options.peerTimeout = std::chrono::seconds(120);
+  options.sharedRingBytes = 0;
   return options;
 }
 
