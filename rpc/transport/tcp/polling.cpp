@@ -72,13 +72,16 @@ std::atomic<int>& pollingSlotHolders() {
   return count;
 }
 
-// Whether a thread counts as looking at a RingWatch's rings; stops on
-// every path out of its scope.
+// Whether a thread counts as looking at a RingWatch's rings; back to how
+// it counted at the start on every path out of its scope.
 class LookingAtRings {
  public:
-  explicit LookingAtRings(RingWatch* rings) : rings_(rings) {}
+  LookingAtRings(RingWatch* rings, bool lookingNow)
+      : rings_(rings),
+        atStart_(lookingNow),
+        looking_(lookingNow) {}
   ~LookingAtRings() {
-    set(false);
+    set(atStart_);
   }
   LookingAtRings(const LookingAtRings&) = delete;
   LookingAtRings& operator=(const LookingAtRings&) = delete;
@@ -97,7 +100,8 @@ class LookingAtRings {
 
  private:
   RingWatch* const rings_;
-  bool looking_ = false;
+  const bool atStart_;
+  bool looking_;
 };
 
 } // namespace
@@ -174,7 +178,7 @@ void IoPolling::run() {
   PollingSlot slot;
   EventLoopThreadScope loopThread;
   // Declared after the slot: ends before it on the way out.
-  LookingAtRings looking(rings_);
+  LookingAtRings looking(rings_, /*lookingNow=*/false);
   while (!io_.stopped()) {
     if (driversActive()) {
       looking.set(false);
@@ -338,21 +342,10 @@ bool IoPolling::driveBlocking(
   const auto start = Clock::now();
   try {
     InDriveStep step;
-    // Asleep in the loop, this thread no longer looks at the rings: their
-    // writers ring, which wakes it.
-    struct SleepingFromRings {
-      RingWatch* rings;
-      explicit SleepingFromRings(RingWatch* r) : rings(r) {
-        if (rings != nullptr) {
-          rings->endPolling();
-        }
-      }
-      ~SleepingFromRings() {
-        if (rings != nullptr) {
-          rings->beginPolling();
-        }
-      }
-    } sleeping(rings_);
+    // Asleep in the loop, this driver (counted since beginDriving()) no
+    // longer looks at the rings: their writers ring, which wakes it.
+    LookingAtRings looking(rings_, /*lookingNow=*/true);
+    looking.set(false);
     if (io_.run_one_for(timeout) > 0) {
       return true;
     }
