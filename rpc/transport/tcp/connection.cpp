@@ -72,12 +72,6 @@ TcpConnectionImpl::TcpConnectionImpl(
           context_->options.sharedMemoryMaxBytes,
           &context_->copier) {}
 
-TcpConnectionImpl::~TcpConnectionImpl() {
-  // A connection that never failed still holds its ring's share (the
-  // peer's mapping keeps the pages until the peer unmaps).
-  context_->segmentBytes->fetch_sub(ringCharged_);
-}
-
 // ---- Any thread ----
 
 void TcpConnectionImpl::start(
@@ -441,7 +435,7 @@ void TcpConnectionImpl::reportFromLoop() {
   ringIn_.reset();
   ringRecord_.reset();
   readingRing_ = false;
-  context_->segmentBytes->fetch_sub(std::exchange(ringCharged_, 0));
+  ringCharge_ = SharedMemoryCharge();
   context_->forget(id_);
   if (onError) {
     onError(error);

@@ -167,7 +167,6 @@ class TcpConnectionImpl
       Strand strand,
       Socket socket,
       std::string peer);
-  ~TcpConnectionImpl();
 
   // ---- Any thread ----
 
@@ -434,8 +433,8 @@ class TcpConnectionImpl
   size_t ringEnd_ = 0;
   bool readingRing_ = false;
   bool gotRingOffer_ = false; // as writer
-  // Our ring's bytes, charged to context_->segmentBytes until we die.
-  size_t ringCharged_ = 0;
+  // Our ring's bytes in the shared memory budget, until the ring goes.
+  SharedMemoryCharge ringCharge_;
 
   mutable std::mutex mutex_;
   std::string describe_;

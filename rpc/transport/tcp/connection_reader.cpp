@@ -950,13 +950,13 @@ void TcpConnectionImpl::offerRingFromLoop() {
   }
   // Charged to the shared memory budget, as segments are: a peer that
   // opens many connections gets no more than sharedMemoryMaxBytes of it.
-  const size_t charge = ringBytesFor(capacity);
-  if (context_->segmentBytes->fetch_add(charge) + charge >
-      context_->options.sharedMemoryMaxBytes) {
-    context_->segmentBytes->fetch_sub(charge);
+  SharedMemoryCharge charge = SharedMemoryCharge::tryCharge(
+      context_->segmentBytes,
+      ringBytesFor(capacity),
+      context_->options.sharedMemoryMaxBytes);
+  if (!charge.held()) {
     return; // small messages from this peer use the socket
   }
-  ringCharged_ = charge;
   uint64_t cookie = 0;
   const std::string random = randomBytes(sizeof(cookie));
   std::memcpy(&cookie, random.data(), sizeof(cookie));
@@ -964,8 +964,6 @@ void TcpConnectionImpl::offerRingFromLoop() {
   std::unique_ptr<SharedRingMemory> memory =
       SharedRingMemory::create(capacity, cookie, why);
   if (memory == nullptr) {
-    context_->segmentBytes->fetch_sub(charge);
-    ringCharged_ = 0;
     TORCHRPC_LOG(kWarning) << "TcpTransport " << context_->options.name
                            << ": no shared ring for " << describe() << ": "
                            << why << "; its small messages use the socket";
@@ -973,6 +971,7 @@ void TcpConnectionImpl::offerRingFromLoop() {
   }
   const int fd = memory->fd();
   ringIn_ = std::make_shared<SharedRingReader>(std::move(memory));
+  ringCharge_ = std::move(charge);
   ringRecord_.reset(new char[ringFrameMaxBytes(capacity)]);
   std::weak_ptr<TcpConnectionImpl> weak = shared_from_this();
   ringWatchId_ = context_->rings.add(ringIn_, [weak]() {

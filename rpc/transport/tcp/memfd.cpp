@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 namespace torchrpc {
 namespace rpc {
@@ -25,6 +26,43 @@ std::string errnoText(const std::string& what, int error) {
 }
 
 } // namespace
+
+SharedMemoryCharge SharedMemoryCharge::tryCharge(
+    std::shared_ptr<std::atomic<size_t>> charged,
+    size_t bytes,
+    size_t maxBytes) {
+  SharedMemoryCharge charge;
+  if (bytes == 0 ||
+      charged->fetch_add(bytes, std::memory_order_relaxed) + bytes > maxBytes) {
+    if (bytes > 0) {
+      charged->fetch_sub(bytes, std::memory_order_relaxed);
+    }
+    return charge;
+  }
+  charge.charged_ = std::move(charged);
+  charge.bytes_ = bytes;
+  return charge;
+}
+
+SharedMemoryCharge::SharedMemoryCharge(SharedMemoryCharge&& other) noexcept
+    : charged_(std::move(other.charged_)),
+      bytes_(std::exchange(other.bytes_, 0)) {}
+
+SharedMemoryCharge& SharedMemoryCharge::operator=(
+    SharedMemoryCharge&& other) noexcept {
+  if (this != &other) {
+    SharedMemoryCharge released(std::move(*this));
+    charged_ = std::move(other.charged_);
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+
+SharedMemoryCharge::~SharedMemoryCharge() {
+  if (bytes_ > 0) {
+    charged_->fetch_sub(bytes_, std::memory_order_relaxed);
+  }
+}
 
 OwnMemfd createSealedMemfd(const char* name, size_t bytes) {
   OwnMemfd memfd;

@@ -2,13 +2,15 @@
 
 // Sealed memfds shared between two processes of one host: made and mapped
 // by their owner, and mapped by a peer only after checks that make every
-// access through the mapping safe. Serves the shared segments of large
-// tensors (tcp/shared_segments.h) and the rings of small frames
-// (tcp/shared_ring.h).
+// access through the mapping safe; and the budget their bytes count
+// against. Serves the shared segments of large tensors
+// (tcp/shared_segments.h) and the rings of small frames (tcp/shared_ring.h).
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstddef>
+#include <memory>
 #include <string>
 
 namespace torchrpc {
@@ -26,6 +28,30 @@ struct OwnMemfd {
 OwnMemfd createSealedMemfd(const char* name, size_t bytes);
 // Unmaps and closes; a peer's mapping keeps the memory until it unmaps.
 void destroyMemfd(OwnMemfd& memfd);
+
+// Bytes of shared memory counted in a transport's budget (its segments and
+// rings together: sharedMemoryMaxBytes) for as long as this lives.
+class SharedMemoryCharge {
+ public:
+  SharedMemoryCharge() = default;
+  // `bytes` charged to `charged` if the total stays within `maxBytes`;
+  // else a charge that holds nothing.
+  static SharedMemoryCharge tryCharge(
+      std::shared_ptr<std::atomic<size_t>> charged,
+      size_t bytes,
+      size_t maxBytes);
+  SharedMemoryCharge(SharedMemoryCharge&& other) noexcept;
+  SharedMemoryCharge& operator=(SharedMemoryCharge&& other) noexcept;
+  ~SharedMemoryCharge();
+
+  bool held() const {
+    return bytes_ > 0;
+  }
+
+ private:
+  std::shared_ptr<std::atomic<size_t>> charged_;
+  size_t bytes_ = 0;
+};
 
 // What a peer's memfd must be before we map it. `what` names it in
 // refusals ("shared segment": "shared segment is too small").

@@ -42,6 +42,7 @@ struct SegmentSender::Segment {
   int fd = -1;
   void* base = nullptr;
   size_t bytes = 0; // the whole mapping, header page included
+  SharedMemoryCharge charge; // `bytes`, in the transport's budget
 
   size_t capacity() const {
     return bytes - kSegmentDataOffset;
@@ -71,7 +72,7 @@ void SegmentSender::destroy(Segment& segment) {
   retiredFlag(segment.base)->store(1, std::memory_order_release);
   OwnMemfd memfd{segment.fd, segment.base, segment.bytes};
   destroyMemfd(memfd);
-  chargedBytes_->fetch_sub(segment.bytes, std::memory_order_relaxed);
+  segment.charge = SharedMemoryCharge();
 }
 
 SegmentSender::Segment* SegmentSender::acquireLocked(size_t capacity) {
@@ -105,17 +106,17 @@ SegmentSender::Segment* SegmentSender::acquireLocked(size_t capacity) {
       ++i;
     }
   }
-  size_t charged = chargedBytes_->fetch_add(bytes, std::memory_order_relaxed);
-  if (charged + bytes > maxBytes_) {
-    chargedBytes_->fetch_sub(bytes, std::memory_order_relaxed);
+  SharedMemoryCharge charge =
+      SharedMemoryCharge::tryCharge(chargedBytes_, bytes, maxBytes_);
+  if (!charge.held()) {
     return nullptr;
   }
   const OwnMemfd memfd = createSealedMemfd("torchrpc-segment", bytes);
   if (memfd.fd < 0) {
-    chargedBytes_->fetch_sub(bytes, std::memory_order_relaxed);
-    return nullptr;
+    return nullptr; // the charge goes with it
   }
   auto segment = std::make_unique<Segment>();
+  segment->charge = std::move(charge);
   segment->fd = memfd.fd;
   segment->base = memfd.base;
   segment->bytes = memfd.bytes;
