@@ -223,7 +223,6 @@ TEST(SharedRing, AReaderRefusesImpossiblePositionsAndRecords) {
     MadeRing ring = makeRing();
     auto reader = readerOf(ring);
     ASSERT_TRUE(ring.writer && reader);
-    SharedRingWriter* writer = ring.writer.get();
     RawRing raw(ring);
     // A tail more than the area ahead of what was read.
     raw.setTail(kCapacity + 16);
@@ -242,7 +241,6 @@ TEST(SharedRing, AReaderRefusesImpossiblePositionsAndRecords) {
     MadeRing ring = makeRing();
     auto reader = readerOf(ring);
     ASSERT_TRUE(ring.writer && reader);
-    SharedRingWriter* writer = ring.writer.get();
     RawRing raw(ring);
     // Less than a record header published.
     raw.setTail(8);
