@@ -11,6 +11,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -241,10 +242,21 @@ class TcpSharedRingHostile : public TcpListenerFixture {
   // mapped for writing (its offer read off the socket).
   struct Liar {
     explicit Liar(int port) : peer(port) {}
+    ~Liar() {
+      if (ringFd >= 0) {
+        ::close(ringFd);
+      }
+    }
+    Liar(const Liar&) = delete;
+    Liar& operator=(const Liar&) = delete;
     NegotiatedRawPeer peer;
     Acceptor::Accepted accepted;
     std::unique_ptr<SharedRingWriter> ring;
-    int ringFd = -1; // the server's, which is this process
+    // A descriptor of the server's ring that is ours, as a peer in another
+    // process would have: the server closes its own when the connection
+    // fails, which may happen while a test still maps the ring (the failure
+    // comes through the ring, an order ThreadSanitizer cannot see).
+    int ringFd = -1;
     // Frames written on the socket so far: hello, probe.
     uint64_t socketFrames = 2;
 
@@ -295,13 +307,18 @@ class TcpSharedRingHostile : public TcpListenerFixture {
     uint64_t cookie = 0;
     std::memcpy(&fd, offer.data() + detail::tcp::kFrameHeaderBytes, 8);
     std::memcpy(&cookie, offer.data() + detail::tcp::kFrameHeaderBytes + 8, 8);
+    // The server is this process: its descriptor is valid here, and a copy
+    // of it is ours.
+    liar->ringFd = ::fcntl(static_cast<int>(fd), F_DUPFD_CLOEXEC, 0);
+    EXPECT_GE(liar->ringFd, 0) << std::strerror(errno);
+    if (liar->ringFd < 0) {
+      return liar;
+    }
     std::string why;
-    // The server is this process: its fd is ours.
-    auto memory = SharedRingMemory::mapOwn(static_cast<int>(fd), 1 << 24, why);
+    auto memory = SharedRingMemory::mapOwn(liar->ringFd, 1 << 24, why);
     EXPECT_NE(memory, nullptr) << why;
-    EXPECT_EQ(memory->cookie(), cookie);
     if (memory != nullptr) {
-      liar->ringFd = static_cast<int>(fd);
+      EXPECT_EQ(memory->cookie(), cookie);
       liar->ring = std::make_unique<SharedRingWriter>(std::move(memory));
     }
     return liar;
