@@ -1,12 +1,19 @@
 // The watch over a transport's shared rings (Note [Rings while the loop
 // polls] in rpc/transport/tcp/ring_watch.h): rings are marked polling while
 // a thread polls and asleep otherwise, a look posts once per new record,
-// and a record that came as the last poller left is posted, not lost.
+// and a record that came as the last poller left is posted, not lost, also
+// while threads start and stop polling at random against the writer.
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "torchrpc/rpc/transport/tcp/ring_watch.h"
 #include "torchrpc/rpc/transport/tcp/shared_ring.h"
@@ -169,6 +176,162 @@ TEST(RingWatch, ARemovedRingIsNotLookedAtAndItsCallbackIsReleased) {
   watch.endPolling();
   EXPECT_EQ(*held, 0);
   watch.remove(id); // twice: nothing
+}
+
+// The watch's promise under real concurrency: a record is never left where
+// no thread will look. Here a "loop" thread sleeps until something wakes it
+// (a post, or the writer's bell), then polls a few turns and drains, as an
+// io thread does; two "waiters" poll the loop in one short burst per
+// record, starting and stopping at random against each other, the loop and
+// the push; the writer pushes one record at a time and waits for it to be
+// read. A lost wake-up (a record written as the last poller left, seen by
+// nobody, with no bell) leaves a record unread, and the writer's wait for
+// it times out.
+TEST(RingWatch, ThreadsThatStartAndStopPollingLoseNoRecord) {
+  constexpr int kRecords = 20000;
+  constexpr auto kWaitPerRecord = std::chrono::seconds(5);
+  RingWatch watch;
+  Ring ring;
+
+  std::mutex mutex;
+  std::condition_variable wake; // the loop's "epoll"
+  std::condition_variable consumed;
+  bool woken = false;
+  int read = 0;
+  bool stop = false;
+  auto wakeLoop = [&]() {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      woken = true;
+    }
+    wake.notify_one();
+  };
+  watch.add(ring.reader, wakeLoop);
+
+  // Drains what is there; the reader's side is this thread's only.
+  auto drain = [&]() {
+    uint64_t tag = 0;
+    size_t length = 0;
+    char byte = 0;
+    int taken = 0;
+    while (ring.reader->peek(tag, length) == SharedRingReader::Read::kRecord) {
+      ring.reader->take(&byte);
+      ++taken;
+    }
+    if (taken > 0) {
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        read += taken;
+      }
+      consumed.notify_all();
+    }
+  };
+  std::thread loop([&]() {
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mutex);
+        wake.wait(lock, [&]() { return woken || stop; });
+        if (stop) {
+          return;
+        }
+        woken = false;
+      }
+      watch.beginPolling();
+      for (int turn = 0; turn < 3; ++turn) {
+        drain();
+        watch.check();
+      }
+      watch.endPolling();
+      // A post from endPolling() or a waiter's check() has set `woken`:
+      // the next wait returns at once.
+    }
+  });
+
+  // Each record sets the waiters off on one burst of polling, which races
+  // with its push; after the burst they stay off the loop until the next
+  // record, as a waiter whose wait has ended does. So once the bursts end,
+  // only the loop, woken by a post or the bell, can read the record.
+  std::mutex goMutex;
+  std::condition_variable go;
+  int round = 0;
+  bool writing = true;
+  auto shortPause = [](unsigned& seed) {
+    seed = seed * 1103515245u + 12345u;
+    for (unsigned i = 0; i < (seed >> 16) % 8; ++i) {
+      std::this_thread::yield();
+    }
+  };
+  std::vector<std::thread> waiters;
+  for (int w = 0; w < 2; ++w) {
+    waiters.emplace_back([&, w]() {
+      unsigned seed = 12345u + unsigned(w);
+      int seen = 0;
+      for (;;) {
+        {
+          std::unique_lock<std::mutex> lock(goMutex);
+          go.wait(lock, [&]() { return round != seen || !writing; });
+          if (!writing) {
+            return;
+          }
+          seen = round;
+        }
+        shortPause(seed);
+        watch.beginPolling();
+        for (unsigned turn = 0; turn < (seed >> 20) % 4; ++turn) {
+          watch.check();
+        }
+        watch.endPolling();
+      }
+    });
+  }
+
+  unsigned seed = 777u;
+  int bells = 0;
+  int lost = -1;
+  int badPush = -1;
+  for (int i = 0; i < kRecords && lost < 0 && badPush < 0; ++i) {
+    {
+      std::lock_guard<std::mutex> lock(goMutex);
+      ++round;
+    }
+    go.notify_all();
+    shortPause(seed);
+    const Push pushed = ring.push();
+    if (pushed == Push::kPushedRingBell) {
+      ++bells;
+      wakeLoop();
+    } else if (pushed != Push::kPushed) {
+      badPush = int(pushed);
+      break;
+    }
+    std::unique_lock<std::mutex> lock(mutex);
+    if (!consumed.wait_for(lock, kWaitPerRecord, [&]() {
+          return read == i + 1;
+        })) {
+      lost = i;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(goMutex);
+    writing = false;
+  }
+  go.notify_all();
+  for (std::thread& waiter : waiters) {
+    waiter.join();
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    stop = true;
+  }
+  wake.notify_one();
+  loop.join();
+  EXPECT_EQ(badPush, -1) << "a push returned " << badPush;
+  EXPECT_EQ(lost, -1) << "record " << lost
+                      << " was never read: no thread looked and no bell rang";
+  // Both ways of waking happened: records that found the reader asleep
+  // rang, the others were seen by a poller.
+  EXPECT_GT(bells, 0);
+  EXPECT_LT(bells, kRecords);
 }
 
 } // namespace
