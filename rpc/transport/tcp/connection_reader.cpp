@@ -12,7 +12,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <fstream>
 #include <limits>
+#include <string>
 #include <utility>
 
 #include "torchrpc/rpc/errors.h"
@@ -39,6 +41,31 @@ constexpr size_t kHandshakeReadBufferBytes =
 // Missing bytes of a part from which it is read straight into its
 // destination rather than through the buffer.
 constexpr size_t kDirectReadBytes = size_t(32) << 10;
+
+// Whether the peer process has exited: no longer there, or a zombie, whose
+// descriptors are closed. A peer killed while its ring offer or a segment
+// it announced is on the way leaves a descriptor we cannot open; that says
+// it left (kWorkerUnavailable), not that it lied (kMalformedMessage).
+bool peerProcessGone(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) {
+    return true;
+  }
+  // "pid (comm) S ...": comm may hold spaces and parentheses.
+  const size_t close = line.rfind(')');
+  if (close == std::string::npos || close + 2 >= line.size()) {
+    return false;
+  }
+  const char state = line[close + 2];
+  return state == 'Z' || state == 'X';
+}
+
+TransportError peerGoneError(const std::string& connection) {
+  return TransportError{
+      ErrorCode::kWorkerUnavailable,
+      "connection to " + connection + " failed: the peer process is gone"};
+}
 
 } // namespace
 
@@ -512,6 +539,10 @@ void TcpConnectionImpl::readPayloadFromLoop() {
   }
   if (!refusal.empty()) {
     incoming_ = Message();
+    if (peerProcessGone(sameHost_.peerPid)) {
+      fail(peerGoneError(describe()));
+      return;
+    }
     violationFromLoop(refusal);
     return;
   }
@@ -563,10 +594,7 @@ void TcpConnectionImpl::finishPayloadFromLoop(Message&& message) {
           wordOfFromLoop(i),
           lengths_[i]);
       if (error == ESRCH) {
-        fail(TransportError{
-            ErrorCode::kWorkerUnavailable,
-            "connection to " + describe() +
-                " failed: the peer process is gone"});
+        fail(peerGoneError(describe()));
         return;
       }
       if (error != 0) {
@@ -1006,6 +1034,10 @@ void TcpConnectionImpl::onRingOfferFromLoop() {
       kMaxSharedRingBytes,
       why);
   if (memory == nullptr) {
+    if (peerProcessGone(sameHost_.peerPid)) {
+      fail(peerGoneError(describe()));
+      return;
+    }
     violationFromLoop(why);
     return;
   }

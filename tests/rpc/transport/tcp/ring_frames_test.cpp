@@ -13,12 +13,15 @@
 
 #include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "tests/support/child_processes.h"
 #include "tests/support/eventually.h"
 #include "tests/support/negotiated_raw_peer.h"
 #include "tests/support/patterned_bytes.h"
@@ -530,5 +533,87 @@ TEST_F(TcpSharedRingHostile, BadOffersAndBellsAreRefused) {
 }
 
 } // namespace
+// A peer killed while its ring offer is on the way (CI saw it: a caller's
+// pending call failed as a malformed message instead of a lost worker).
+// Forks, so named for the forking tests' filter (tests/CMakeLists.txt).
+class TcpSharedRingMultiProcess : public TcpSharedRingHostile {};
+
+TEST_F(TcpSharedRingMultiProcess, AnOfferFromAPeerThatHasExitedSaysItLeft) {
+  // The peer, a child, negotiates with its own pid and makes a ring; a
+  // grandchild keeps its socket. The child exits (a zombie until we reap
+  // it: its descriptors are closed), and only then does the grandchild send
+  // the child's ring offer, which the server cannot open.
+  int grandchildPipe[2];
+  ASSERT_EQ(::pipe(grandchildPipe), 0);
+  const size_t index = acceptor_->count();
+  testing::ChildProcesses children;
+  const int port = port_;
+  const pid_t child = children.spawn([port, grandchildPipe]() {
+    NegotiatedRawPeer peer(port);
+    if (!peer.negotiate()) {
+      ::_exit(2);
+    }
+    std::string why;
+    auto ring = SharedRingMemory::create(1 << 16, 9, why);
+    if (ring == nullptr) {
+      ::_exit(3);
+    }
+    std::string body;
+    detail::tcp::appendU64(body, static_cast<uint64_t>(ring->fd()));
+    detail::tcp::appendU64(body, 9);
+    const std::string offer = detail::tcp::encodeFrameHeader(
+                                  detail::tcp::FrameType::kRingOffer,
+                                  16,
+                                  0) +
+        body;
+    const pid_t self = ::getpid();
+    const pid_t grandchild = ::fork();
+    if (grandchild == 0) {
+      // Until the child is a zombie (or gone), at most 10 s.
+      const std::string stat = "/proc/" + std::to_string(self) + "/stat";
+      for (int i = 0; i < 1000; ++i) {
+        std::ifstream in(stat);
+        std::string line;
+        if (!std::getline(in, line)) {
+          break;
+        }
+        const size_t close = line.rfind(')');
+        if (close != std::string::npos && close + 2 < line.size() &&
+            line[close + 2] == 'Z') {
+          break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      const bool sent = peer.raw().write(offer);
+      // Until the server closes the connection, at most 10 s.
+      const bool closed =
+          peer.raw().waitClosedByServer(std::chrono::seconds(10));
+      ::_exit(sent && closed ? 0 : 4);
+    }
+    (void)!::write(grandchildPipe[1], &grandchild, sizeof(grandchild));
+    ::_exit(grandchild > 0 ? 0 : 5);
+  });
+  pid_t grandchild = -1;
+  ASSERT_EQ(
+      ::read(grandchildPipe[0], &grandchild, sizeof(grandchild)),
+      static_cast<ssize_t>(sizeof(grandchild)));
+  ::close(grandchildPipe[0]);
+  ::close(grandchildPipe[1]);
+  auto accepted = acceptor_->waitFor(index);
+  ASSERT_NE(accepted.connection, nullptr);
+  const bool failed = accepted.inbox->waitForError();
+  // The grandchild is not our child: killed by pid however the test went.
+  if (grandchild > 0) {
+    ::kill(grandchild, SIGKILL);
+  }
+  EXPECT_EQ(children.wait(child, std::chrono::seconds(10)), 0);
+  ASSERT_TRUE(failed);
+  const TransportError error = accepted.inbox->errors()[0];
+  EXPECT_EQ(error.code, ErrorCode::kWorkerUnavailable) << error.detail;
+  EXPECT_NE(error.detail.find("the peer process is gone"), std::string::npos)
+      << error.detail;
+  expectListenerHealthy();
+}
+
 } // namespace rpc
 } // namespace torchrpc
