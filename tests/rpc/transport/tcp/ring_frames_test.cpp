@@ -593,12 +593,16 @@ TEST_F(TcpSharedRingMultiProcess, AnOfferFromAPeerThatHasExitedSaysItLeft) {
     (void)!::write(grandchildPipe[1], &grandchild, sizeof(grandchild));
     ::_exit(grandchild > 0 ? 0 : 5);
   });
-  pid_t grandchild = -1;
-  ASSERT_EQ(
-      ::read(grandchildPipe[0], &grandchild, sizeof(grandchild)),
-      static_cast<ssize_t>(sizeof(grandchild)));
-  ::close(grandchildPipe[0]);
+  // Ours closed first: a child that fails before it forks ends the read
+  // (end of file) instead of leaving it waiting.
   ::close(grandchildPipe[1]);
+  pid_t grandchild = -1;
+  const ssize_t got =
+      ::read(grandchildPipe[0], &grandchild, sizeof(grandchild));
+  ::close(grandchildPipe[0]);
+  ASSERT_EQ(got, static_cast<ssize_t>(sizeof(grandchild)))
+      << "the child failed before it forked (exit status "
+      << children.wait(child, std::chrono::seconds(10)) << ")";
   auto accepted = acceptor_->waitFor(index);
   ASSERT_NE(accepted.connection, nullptr);
   const bool failed = accepted.inbox->waitForError();
