@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -594,15 +595,24 @@ TEST_F(TcpSharedRingMultiProcess, AnOfferFromAPeerThatHasExitedSaysItLeft) {
     ::_exit(grandchild > 0 ? 0 : 5);
   });
   // Ours closed first: a child that fails before it forks ends the read
-  // (end of file) instead of leaving it waiting.
+  // (end of file); one that stalls (a child forked from a process with
+  // threads can block on a lock another thread held) is killed after 30 s.
   ::close(grandchildPipe[1]);
   pid_t grandchild = -1;
-  const ssize_t got =
-      ::read(grandchildPipe[0], &grandchild, sizeof(grandchild));
+  pollfd ready{grandchildPipe[0], POLLIN, 0};
+  const bool answered = ::poll(&ready, 1, 30000) == 1;
+  const ssize_t got = answered
+      ? ::read(grandchildPipe[0], &grandchild, sizeof(grandchild))
+      : -1;
   ::close(grandchildPipe[0]);
+  if (!answered) {
+    children.kill(child, SIGKILL);
+  }
   ASSERT_EQ(got, static_cast<ssize_t>(sizeof(grandchild)))
-      << "the child failed before it forked (exit status "
-      << children.wait(child, std::chrono::seconds(10)) << ")";
+      << (answered ? "the child failed before it forked"
+                   : "the child stalled for 30 s and was killed")
+      << " (exit status " << children.wait(child, std::chrono::seconds(10))
+      << ")";
   auto accepted = acceptor_->waitFor(index);
   ASSERT_NE(accepted.connection, nullptr);
   const bool failed = accepted.inbox->waitForError();
