@@ -22,11 +22,10 @@
 #include <thread>
 #include <vector>
 
+#include "tests/support/this_binary.h"
 #include "torchrpc/rpc/log_level.h"
 #include "torchrpc/rpc/runtime.h"
 #include "torchrpc/rpc/transport/inprocess/inprocess_transport.h"
-
-extern char** environ;
 
 namespace torchrpc {
 namespace {
@@ -51,33 +50,11 @@ ChildResult runThisBinaryOn(
   std::string stderrPath = path.string();
   // Everything the child needs is built before fork(): after it, only
   // async-signal-safe calls.
-  std::string filter = "--gtest_filter=" + test;
-  std::string alsoDisabled = "--gtest_also_run_disabled_tests";
-  std::string self = "/proc/self/exe";
-  std::vector<char*> argv{
-      self.data(),
-      filter.data(),
-      alsoDisabled.data(),
-      nullptr};
-  std::vector<char*> envp;
-  // Nor gtest's sharding variables: when this binary runs as a shard
-  // (TORCHRPC_TEST_SHARDS), the child would run only its share of the one
-  // test it is given, i.e. possibly nothing.
-  auto inherited = [](const std::string& variable) {
-    return variable.rfind("GLOG_", 0) != 0 &&
-        variable.rfind("GTEST_SHARD_INDEX=", 0) != 0 &&
-        variable.rfind("GTEST_TOTAL_SHARDS=", 0) != 0 &&
-        variable.rfind("GTEST_SHARD_STATUS_FILE=", 0) != 0;
-  };
-  for (char** e = environ; *e != nullptr; ++e) {
-    if (inherited(*e)) {
-      envp.push_back(*e);
-    }
-  }
+  std::vector<std::string> extra;
   if (!extraVariable.empty()) {
-    envp.push_back(extraVariable.data());
+    extra.push_back(std::move(extraVariable));
   }
-  envp.push_back(nullptr);
+  testing::ThisBinaryOnOneTest command(test, std::move(extra), {"GLOG_"});
   int fd = ::open(stderrPath.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
   EXPECT_GE(fd, 0) << stderrPath;
   if (fd < 0) {
@@ -88,8 +65,7 @@ ChildResult runThisBinaryOn(
   if (pid == 0) {
     ::dup2(fd, STDOUT_FILENO);
     ::dup2(fd, STDERR_FILENO);
-    ::execve(self.c_str(), argv.data(), envp.data());
-    ::_exit(127);
+    command.exec();
   }
   ::close(fd);
   ChildResult result;
