@@ -15,6 +15,7 @@
 #include <cerrno>
 #include <chrono>
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -27,6 +28,7 @@
 #include "tests/support/negotiated_raw_peer.h"
 #include "tests/support/patterned_bytes.h"
 #include "tests/support/tcp_peers.h"
+#include "tests/support/this_binary.h"
 #include "tests/support/transport_harness.h"
 #include "torchrpc/rpc/transport/tcp/frame.h"
 #include "torchrpc/rpc/transport/tcp/shared_ring.h"
@@ -536,67 +538,76 @@ TEST_F(TcpSharedRingHostile, BadOffersAndBellsAreRefused) {
 } // namespace
 // A peer killed while its ring offer is on the way (CI saw it: a caller's
 // pending call failed as a malformed message instead of a lost worker).
-// Forks, so named for the forking tests' filter (tests/CMakeLists.txt).
+// Its peer forks a grandchild that runs on, so the test is named for the
+// forking tests' filter (tests/CMakeLists.txt).
 class TcpSharedRingMultiProcess : public TcpSharedRingHostile {};
 
+// The peer of the test below, in a process of its own: this binary again
+// (tests/support/this_binary.h), so that it starts with one thread and may
+// fork. It negotiates with its own pid and makes a ring; a grandchild keeps
+// its socket. This process then exits (a zombie until the test reaps it: its
+// descriptors are closed), and only then does the grandchild send the ring
+// offer, which the server cannot open.
+TEST(TcpSharedRingMultiProcessPeer, DISABLED_OffersItsRingAfterItExits) {
+  const char* portText = std::getenv("TORCHRPC_TEST_RING_PORT");
+  const char* pipeText = std::getenv("TORCHRPC_TEST_RING_PID_FD");
+  ASSERT_NE(portText, nullptr);
+  ASSERT_NE(pipeText, nullptr);
+  const int pidPipe = std::atoi(pipeText);
+  NegotiatedRawPeer peer(std::atoi(portText));
+  ASSERT_TRUE(peer.negotiate());
+  std::string why;
+  auto ring = SharedRingMemory::create(1 << 16, 9, why);
+  ASSERT_NE(ring, nullptr) << why;
+  std::string body;
+  detail::tcp::appendU64(body, static_cast<uint64_t>(ring->fd()));
+  detail::tcp::appendU64(body, 9);
+  const std::string offer = detail::tcp::encodeFrameHeader(
+                                detail::tcp::FrameType::kRingOffer,
+                                16,
+                                0) +
+      body;
+  const std::string stat = "/proc/" + std::to_string(::getpid()) + "/stat";
+  std::fflush(nullptr);
+  const pid_t grandchild = ::fork();
+  if (grandchild == 0) {
+    // Until this process is a zombie (or gone), at most 10 s.
+    for (int i = 0; i < 1000; ++i) {
+      std::ifstream in(stat);
+      std::string line;
+      if (!std::getline(in, line)) {
+        break;
+      }
+      const size_t close = line.rfind(')');
+      if (close != std::string::npos && close + 2 < line.size() &&
+          line[close + 2] == 'Z') {
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    const bool sent = peer.raw().write(offer);
+    // Until the server closes the connection, at most 10 s.
+    const bool closed = peer.raw().waitClosedByServer(std::chrono::seconds(10));
+    ::_exit(sent && closed ? 0 : 4);
+  }
+  ASSERT_GT(grandchild, 0) << "fork failed";
+  ASSERT_EQ(
+      ::write(pidPipe, &grandchild, sizeof(grandchild)),
+      static_cast<ssize_t>(sizeof(grandchild)));
+}
+
 TEST_F(TcpSharedRingMultiProcess, AnOfferFromAPeerThatHasExitedSaysItLeft) {
-  // The peer, a child, negotiates with its own pid and makes a ring; a
-  // grandchild keeps its socket. The child exits (a zombie until we reap
-  // it: its descriptors are closed), and only then does the grandchild send
-  // the child's ring offer, which the server cannot open.
   int grandchildPipe[2];
   ASSERT_EQ(::pipe(grandchildPipe), 0);
   const size_t index = acceptor_->count();
+  testing::ThisBinaryOnOneTest peerProcess(
+      "TcpSharedRingMultiProcessPeer.DISABLED_OffersItsRingAfterItExits",
+      {"TORCHRPC_TEST_RING_PORT=" + std::to_string(port_),
+       "TORCHRPC_TEST_RING_PID_FD=" + std::to_string(grandchildPipe[1])});
   testing::ChildProcesses children;
-  const int port = port_;
-  const pid_t child = children.spawn([port, grandchildPipe]() {
-    NegotiatedRawPeer peer(port);
-    if (!peer.negotiate()) {
-      ::_exit(2);
-    }
-    std::string why;
-    auto ring = SharedRingMemory::create(1 << 16, 9, why);
-    if (ring == nullptr) {
-      ::_exit(3);
-    }
-    std::string body;
-    detail::tcp::appendU64(body, static_cast<uint64_t>(ring->fd()));
-    detail::tcp::appendU64(body, 9);
-    const std::string offer = detail::tcp::encodeFrameHeader(
-                                  detail::tcp::FrameType::kRingOffer,
-                                  16,
-                                  0) +
-        body;
-    const pid_t self = ::getpid();
-    const pid_t grandchild = ::fork();
-    if (grandchild == 0) {
-      // Until the child is a zombie (or gone), at most 10 s.
-      const std::string stat = "/proc/" + std::to_string(self) + "/stat";
-      for (int i = 0; i < 1000; ++i) {
-        std::ifstream in(stat);
-        std::string line;
-        if (!std::getline(in, line)) {
-          break;
-        }
-        const size_t close = line.rfind(')');
-        if (close != std::string::npos && close + 2 < line.size() &&
-            line[close + 2] == 'Z') {
-          break;
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      }
-      const bool sent = peer.raw().write(offer);
-      // Until the server closes the connection, at most 10 s.
-      const bool closed =
-          peer.raw().waitClosedByServer(std::chrono::seconds(10));
-      ::_exit(sent && closed ? 0 : 4);
-    }
-    (void)!::write(grandchildPipe[1], &grandchild, sizeof(grandchild));
-    ::_exit(grandchild > 0 ? 0 : 5);
-  });
+  const pid_t child = children.spawn([&peerProcess]() { peerProcess.exec(); });
   // Ours closed first: a child that fails before it forks ends the read
-  // (end of file); one that stalls (a child forked from a process with
-  // threads can block on a lock another thread held) is killed after 30 s.
+  // (end of file); one that stalls is killed after 30 s.
   ::close(grandchildPipe[1]);
   pid_t grandchild = -1;
   pollfd ready{grandchildPipe[0], POLLIN, 0};
