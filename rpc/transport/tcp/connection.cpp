@@ -365,9 +365,7 @@ bool TcpConnectionImpl::inLoop() const {
 
 template <typename Task>
 void TcpConnectionImpl::runOnStrand(Task task) {
-  if (!context_->postUnlessJoined(strand_, task)) {
-    task();
-  }
+  context_->runOnLoop(strand_, task);
 }
 
 void TcpConnectionImpl::scheduleReport() {

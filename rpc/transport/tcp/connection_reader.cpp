@@ -206,9 +206,7 @@ void TcpConnectionImpl::startSocketReadFromLoop() {
         self->readIntoBufferFromLoop();
       }
     };
-    if (!context_->postUnlessJoined(strand_, read)) {
-      read();
-    }
+    context_->runOnLoop(strand_, read);
     return;
   }
   readIntoBufferFromLoop();

@@ -59,6 +59,26 @@ struct TcpContext {
     return true;
   }
 
+  // Runs `task` as loop work: posted to `executor` (the io_context or a
+  // strand on it) while the io threads live; once they are joined, inline,
+  // but not before join()'s last poll is over. That poll runs what was
+  // posted before `joined`, on the joining thread: a connection's handler
+  // there and the same connection's work done inline by another thread
+  // would otherwise run at once, on state only the loop touches. The
+  // joining thread itself (a drained handler that asks for more loop work)
+  // goes straight on.
+  template <typename Executor, typename Task>
+  void runOnLoop(Executor&& executor, Task& task) {
+    if (postUnlessJoined(std::forward<Executor>(executor), task)) {
+      return;
+    }
+    { std::lock_guard<std::recursive_mutex> afterLastPoll(lastPoll); }
+    task();
+  }
+
+  // Held by join() from before it sets `joined` until its last poll ends.
+  std::recursive_mutex lastPoll;
+
   // The shared rings the connections read (Note [Shared rings for small
   // frames] in tcp/shared_ring.h); before `polling`, which looks at them.
   RingWatch rings;

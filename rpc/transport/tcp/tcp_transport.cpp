@@ -308,11 +308,7 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
         AsioError ignored;
         acceptor->close(ignored);
       };
-      if (!context_->postUnlessJoined(
-              acceptor->get_executor(),
-              closeAcceptor)) {
-        closeAcceptor();
-      }
+      context_->runOnLoop(acceptor->get_executor(), closeAcceptor);
     }
     for (auto& connection : connections) {
       connection->close(
@@ -370,6 +366,9 @@ class TcpTransportImpl : public std::enable_shared_from_this<TcpTransportImpl> {
       std::lock_guard<std::mutex> lock(mutex_);
       acceptors_.clear();
     }
+    // Taken before `joined` is set: whoever sees it set and would work
+    // inline waits for the poll below (TcpContext::runOnLoop).
+    std::lock_guard<std::recursive_mutex> lastPoll(context_->lastPoll);
     {
       std::lock_guard<std::mutex> lock(context_->postMutex);
       context_->joined.store(true);
