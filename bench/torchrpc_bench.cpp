@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "bench/bench_support.h"
+#include "bench/split_training.h"
 #include "torchrpc/torchrpc.h"
 
 namespace {
@@ -228,25 +229,14 @@ double rrefsPerSecond(Runtime& rt, bool quick) {
 
 // ---- dist_autograd_overhead -------------------------------------------------
 
-// torch.manual_seed(0); Sequential of 4 Linear(1024, 1024), as on the
-// PyTorch side.
-torch::nn::Sequential makeModel() {
-  torch::manual_seed(0);
-  torch::nn::Sequential model;
-  for (int i = 0; i < 4; ++i) {
-    model->push_back(torch::nn::Linear(1024, 1024));
-  }
-  return model;
-}
-
 // The model and its optimizer on worker1: forward, and an SGD step with the
 // gradients a distributed backward left in the calling request's context
 // (what a DistributedOptimizer does on each parameter owner).
 void registerModel(Runtime& rt) {
-  auto model = makeModel();
+  auto model = makeSplitTrainingModel();
   auto sgd = std::make_shared<torch::optim::SGD>(
       model->parameters(),
-      torch::optim::SGDOptions(0.01));
+      torch::optim::SGDOptions(kSplitTrainingLearningRate));
   rt.functions().add("model_forward", [model](at::Tensor x) mutable {
     return model->forward(x);
   });
@@ -303,27 +293,17 @@ class Phases {
   std::vector<std::pair<std::string, std::vector<double>>> phases_;
 };
 
-// Local and distributed iterations alternate (worker1 idles, without
-// spinning, during the local ones); the value is the median of the
-// differences of neighbouring pairs, which cancels the machine's slow drifts
-// that a difference of two ~15 ms medians does not.
+// The workload's loop is medianSplitTrainingOverhead's
+// (bench/split_training.h); worker1 idles, without spinning, during the
+// local iterations.
 double distAutogradOverhead(Runtime& rt, bool quick) {
-  auto model = makeModel();
-  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.01));
-  auto x = at::rand({1, 1024});
+  LocalTraining local;
+  const at::Tensor& x = local.input();
   // Each iteration's phases, for stderr: where a difference comes from.
   Phases phases;
   auto localIteration = [&]() {
     phases.start();
-    for (auto& p : model->parameters()) {
-      p.mutable_grad() = at::Tensor(); // zero_grad(set_to_none=True)
-    }
-    auto loss = model->forward(x).sum();
-    phases.end("local forward");
-    loss.backward();
-    phases.end("local backward");
-    sgd.step();
-    phases.end("local step");
+    local.iterate([&phases](const char* name) { phases.end(name); });
   };
   auto distributedIteration = [&]() {
     phases.start();
@@ -338,34 +318,13 @@ double distAutogradOverhead(Runtime& rt, bool quick) {
     }
     phases.end("context release");
   };
-  int warmup = quick ? 5 : 20;
-  int timed = quick ? 40 : 200;
-  for (int i = 0; i < warmup; ++i) {
-    localIteration();
-    distributedIteration();
-  }
-  phases.clear();
-  std::vector<double> local;
-  std::vector<double> distributed;
-  std::vector<double> differences;
-  for (int i = 0; i < timed; ++i) {
-    auto start = Clock::now();
-    localIteration();
-    local.push_back(microsSince(start));
-    start = Clock::now();
-    distributedIteration();
-    distributed.push_back(microsSince(start));
-    differences.push_back(distributed.back() - local.back());
-  }
-  double l = median(local);
-  double d = median(distributed);
-  std::cerr << "local iteration: median " << l << " us, min "
-            << *std::min_element(local.begin(), local.end())
-            << " us; distributed: median " << d << " us, min "
-            << *std::min_element(distributed.begin(), distributed.end())
-            << " us; difference of medians " << d - l << " us\n";
+  const double overhead = medianSplitTrainingOverhead(
+      localIteration,
+      distributedIteration,
+      quick,
+      [&phases]() { phases.clear(); });
   phases.print(std::cerr);
-  return median(differences);
+  return overhead;
 }
 
 // ---- dist_optimizer_step ---------------------------------------------------
