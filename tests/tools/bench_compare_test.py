@@ -18,6 +18,9 @@ that the test needs neither PyTorch's RPC nor its minutes:
      two positive runs, with its ratio to torchrpc's figure and no error;
   4. the same with the build directory of step 2 (no call_limits): both
      limits null, and "limit_error" and "limit_shm_error" say why.
+  5. dist_autograd_overhead with BUILD_DIR: the line has "limit"
+     (bench/autograd_limit: the log shows its run) and its ratio, and no
+     "limit_shm".
 Exits 0 when all hold, 1 otherwise.
 """
 
@@ -34,6 +37,9 @@ PYTORCH_LINES = {
                        '"value": 2.0, "better": "lower"}'),
     "call_rtt_1elem": ('{"workload": "call_rtt_1elem", "metric": "median_rtt", "unit": "us", '
                        '"value": 500.0, "better": "lower"}'),
+    "dist_autograd_overhead": ('{"workload": "dist_autograd_overhead", "metric": '
+                               '"overhead_per_iter", "unit": "us", "value": 5000.0, '
+                               '"better": "lower"}'),
 }
 
 
@@ -108,6 +114,19 @@ def main():
             check(key in line and line[key] is None, f"{key} is not null", line)
             check(line.get(f"{key}_error") == "call_limits not built",
                   f"{key}_error does not say why", line)
+
+        # The autograd workload's limit: the split training over a bare socket.
+        line, log = run_compare(repo, build_dir, stub, rounds=1,
+                                workload="dist_autograd_overhead")
+        x, w = line.get("torchrpc"), line.get("limit")
+        check(isinstance(x, (int, float)), "the torchrpc side failed", line)
+        check(log.count("autograd_limit --workload dist_autograd_overhead --quick -> rc=0") == 1,
+              "the log does not show the autograd limit's run", line)
+        check(isinstance(w, (int, float)) and "limit_error" not in line,
+              "no autograd limit", line)
+        check(line.get("limit_ratio") == (x / w if w else None),
+              "limit_ratio is not torchrpc / limit", line)
+        check("limit_shm" not in line, "a shared-memory limit for the autograd workload", line)
     print("PASS")
 
 
