@@ -260,6 +260,12 @@ class StoreClient : public RendezvousStore {
           });
           return std::nullopt;
         }
+        // Never answered, and the last connection failed (a wrong secret,
+        // nothing listening): its cause says more than the silence of the
+        // attempt the deadline cut short.
+        if (!served && !lastError.empty()) {
+          throwUnreachable(what, start, lastError);
+        }
         TORCH_CHECK(
             false,
             describe(),
@@ -293,21 +299,30 @@ class StoreClient : public RendezvousStore {
         if (waitDeadline && *waitDeadline <= giveUp) {
           return std::nullopt;
         }
-        TORCH_CHECK(
-            false,
-            "cannot reach ",
-            describe(),
-            " for ",
-            what,
-            " within ",
-            std::chrono::duration_cast<std::chrono::milliseconds>(now - start)
-                .count(),
-            " ms: ",
-            lastError);
+        throwUnreachable(what, start, lastError);
       }
       std::this_thread::sleep_for(backoff);
       backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
     }
+  }
+
+  // Throws: "cannot reach" the store, with the last connection's failure.
+  void throwUnreachable(
+      const std::string& what,
+      Clock::time_point start,
+      const std::string& lastError) const {
+    TORCH_CHECK(
+        false,
+        "cannot reach ",
+        describe(),
+        " for ",
+        what,
+        " within ",
+        std::chrono::duration_cast<std::chrono::milliseconds>(
+            Clock::now() - start)
+            .count(),
+        " ms: ",
+        lastError);
   }
 
   Clock::time_point giveUp() const {

@@ -144,6 +144,29 @@ TEST(Store, AnUnreachableServerFailsWithinTheTimeoutNamingIt) {
       "cannot reach the rendezvous store at tcp://127.0.0.1:1");
 }
 
+// A server that takes connections and never answers (a bare listening
+// socket): every attempt ends at the handshake's timeout. Whether the call's
+// deadline falls between attempts or in the middle of one (300 ms attempts
+// from 0, 320 and 660 ms; deadlines at 800 and 1000 ms), the call fails
+// naming why the attempts failed, not only that no answer came.
+TEST(Store, AServerThatNeverGreetsFailsNamingTheHandshake) {
+  SilentListener silent;
+  ASSERT_TRUE(silent.ok());
+  for (auto timeout : {800ms, 1000ms}) {
+    SCOPED_TRACE(timeout.count());
+    StoreClientOptions options;
+    options.address = silent.address();
+    options.timeout = timeout;
+    options.handshakeTimeout = 300ms;
+    auto store = detail::connectToStore(options);
+    std::string error = errorOf([&] { store->get("k"); });
+    expectContains(
+        error,
+        "cannot reach the rendezvous store at " + silent.address());
+    expectContains(error, "failed: no handshake within 300 ms");
+  }
+}
+
 // Rank 0 closes its store once every other worker has left, possibly
 // before the reply to the last "left" key is out: that worker must not
 // then spend its whole timeout reconnecting to a store that is gone.
