@@ -201,13 +201,16 @@ int outputMismatches = 0;
 void distributedIteration(
     int fd,
     const at::Tensor& x,
-    const at::Tensor& expected) {
+    const at::Tensor& expected,
+    torchrpc::bench::Phases& phases) {
+  phases.start();
   char forward[1 + kActivationBytes];
   forward[0] = kForward;
   std::memcpy(forward + 1, x.data_ptr(), kActivationBytes);
   writeAll(fd, forward, sizeof(forward));
   at::Tensor out = at::empty({1, 1024}, at::kFloat);
   readAllOrDie(fd, out.data_ptr(), kActivationBytes);
+  phases.end("forward exchange");
   out.requires_grad_();
   out.sum().backward();
   char backward[1 + kActivationBytes];
@@ -216,8 +219,10 @@ void distributedIteration(
   writeAll(fd, backward, sizeof(backward));
   char ack = 0;
   readAllOrDie(fd, &ack, 1);
+  phases.end("backward exchange");
   writeAll(fd, &kStep, 1);
   readAllOrDie(fd, &ack, 1);
+  phases.end("step exchange");
   if (std::memcmp(out.data_ptr(), expected.data_ptr(), kActivationBytes) != 0) {
     ++outputMismatches;
   }
@@ -303,12 +308,20 @@ int main(int argc, char** argv) {
   const int fd = fds[0];
 
   torchrpc::bench::LocalTraining local;
+  // Each iteration's phases, for stderr, named as torchrpc_bench's are
+  // where they match: what the bare exchanges add to each.
+  torchrpc::bench::Phases phases;
   const double overhead = torchrpc::bench::medianSplitTrainingOverhead(
-      [&local]() { local.iterate(); },
-      [fd, &local]() {
-        distributedIteration(fd, local.input(), local.lastOutput());
+      [&local, &phases]() {
+        phases.start();
+        local.iterate([&phases](const char* name) { phases.end(name); });
       },
-      quick);
+      [fd, &local, &phases]() {
+        distributedIteration(fd, local.input(), local.lastOutput(), phases);
+      },
+      quick,
+      [&phases]() { phases.clear(); });
+  phases.print(std::cerr);
   const bool same = sameParameters(fd, local.model());
   ::close(fd);
   int status = 0;

@@ -3,12 +3,23 @@
 // dist_autograd_overhead's definition (bench/README.md), in one place for
 // the two programs that measure it: torchrpc_bench (through torchrpc) and
 // autograd_limit (through one bare socket, the machine's bound). The model,
-// the local training it is compared with, and the alternation of local and
-// distributed iterations whose neighbouring differences make the figure.
+// the local training it is compared with, the alternation of local and
+// distributed iterations whose neighbouring differences make the figure, and
+// the timing of each iteration's phases, which says where a difference
+// comes from.
 
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <chrono>
 #include <functional>
+#include <iterator>
+#include <ostream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bench/bench_support.h"
 
 namespace torchrpc {
 namespace bench {
@@ -52,6 +63,44 @@ class LocalTraining {
   torch::optim::SGD sgd_;
   at::Tensor x_;
   at::Tensor lastOutput_;
+};
+
+// The durations of named phases of repeated iterations: start() marks an
+// iteration's start, end(name) closes the phase that ran since the last
+// mark. print() writes each phase's median, in first-seen order. Names are
+// literals, compared without building a string inside the timed code.
+class Phases {
+ public:
+  void start() {
+    mark_ = Clock::now();
+  }
+  void end(const char* name) {
+    auto now = Clock::now();
+    auto it = std::find_if(phases_.begin(), phases_.end(), [&](const auto& p) {
+      return p.first == name;
+    });
+    if (it == phases_.end()) {
+      phases_.emplace_back(name, std::vector<double>());
+      it = std::prev(phases_.end());
+    }
+    it->second.push_back(
+        std::chrono::duration<double, std::micro>(now - mark_).count());
+    mark_ = now;
+  }
+  void clear() {
+    phases_.clear();
+  }
+  void print(std::ostream& out) const {
+    out << "phases, median us:";
+    for (const auto& p : phases_) {
+      out << " " << p.first << " " << median(p.second) << ";";
+    }
+    out << "\n";
+  }
+
+ private:
+  Clock::time_point mark_;
+  std::vector<std::pair<std::string, std::vector<double>>> phases_;
 };
 
 // Local and distributed iterations alternate (the distributed side's

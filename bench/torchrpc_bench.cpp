@@ -255,44 +255,6 @@ void registerModel(Runtime& rt) {
   });
 }
 
-// The durations of named phases of repeated iterations: start() marks an
-// iteration's start, end(name) closes the phase that ran since the last
-// mark. print() writes each phase's median, in first-seen order. Names are
-// literals, compared without building a string inside the timed code.
-class Phases {
- public:
-  void start() {
-    mark_ = Clock::now();
-  }
-  void end(const char* name) {
-    auto now = Clock::now();
-    auto it = std::find_if(phases_.begin(), phases_.end(), [&](const auto& p) {
-      return p.first == name;
-    });
-    if (it == phases_.end()) {
-      phases_.emplace_back(name, std::vector<double>());
-      it = std::prev(phases_.end());
-    }
-    it->second.push_back(
-        std::chrono::duration<double, std::micro>(now - mark_).count());
-    mark_ = now;
-  }
-  void clear() {
-    phases_.clear();
-  }
-  void print(std::ostream& out) const {
-    out << "phases, median us:";
-    for (const auto& p : phases_) {
-      out << " " << p.first << " " << median(p.second) << ";";
-    }
-    out << "\n";
-  }
-
- private:
-  Clock::time_point mark_;
-  std::vector<std::pair<std::string, std::vector<double>>> phases_;
-};
-
 // The workload's loop is medianSplitTrainingOverhead's
 // (bench/split_training.h); worker1 idles, without spinning, during the
 // local iterations.

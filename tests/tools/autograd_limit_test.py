@@ -6,7 +6,7 @@
 1. A quick run, blocking and with --spin-us 200: exit 0 (the owner's
    parameters equal the local model's bit for bit: it exits 1 otherwise)
    and one JSON line naming the workload, with a finite value and the
-   spin it ran with; stderr has both sides' medians.
+   spin it ran with; stderr has both sides' medians and the phases.
 2. Bad usage exits 2 with the usage line and prints nothing on stdout.
 3. Neither side outlives the other: a client whose owner is killed exits 1
    saying so; an owner whose client is killed dies.
@@ -109,6 +109,8 @@ def main():
             fail(f"spin {spin}: unexpected line {lines[0]}", p)
         if "local iteration: median" not in p.stderr:
             fail(f"spin {spin}: no medians on stderr", p)
+        if not all(f"{phase} exchange " in p.stderr for phase in ("forward", "backward", "step")):
+            fail(f"spin {spin}: no phases on stderr", p)
 
     for args in ([], ["--workload", "call_rtt_1elem"],
                  ["--workload", "dist_autograd_overhead", "--spin-us", "-1"]):
