@@ -36,7 +36,6 @@
 
 #include <poll.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -287,21 +286,13 @@ int main(int argc, char** argv) {
   }
   // Forked before either side touches libtorch, whose thread pools do not
   // survive a fork.
-  const pid_t client = ::getpid();
-  std::fflush(nullptr);
-  const pid_t child = ::fork();
-  if (child < 0) {
-    die("fork");
-  }
-  if (child == 0) {
-    // Never outlive the client, however it ends.
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (::getppid() != client) {
-      ::_exit(1);
-    }
+  const pid_t child = torchrpc::bench::forkTiedChild([&fds]() {
     ::close(fds[0]);
     own(fds[1]);
-    ::_exit(0);
+    return 0;
+  });
+  if (child < 0) {
+    die("fork");
   }
   ownerPid = child;
   ::close(fds[1]);

@@ -2,6 +2,7 @@
 
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -216,6 +217,28 @@ WorkerProcesses::~WorkerProcesses() {
       ::waitpid(pid, nullptr, 0);
     }
   }
+}
+
+pid_t forkTiedChild(const std::function<int()>& body) {
+  const pid_t parent = ::getpid();
+  std::fflush(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    // Never outlive the parent, however it ends; it may have ended before
+    // the line above took effect.
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    int code = 1;
+    if (::getppid() == parent) {
+      try {
+        code = body();
+      } catch (...) {
+        // Never unwind into the parent's code in a child.
+      }
+    }
+    std::fflush(nullptr);
+    ::_exit(code);
+  }
+  return pid;
 }
 
 pid_t WorkerProcesses::fork(const std::function<int()>& body) {

@@ -109,6 +109,12 @@ bool readExactlyWithin(int fd, void* data, size_t size, int timeoutMs);
 
 // ---- worker processes -------------------------------------------------------
 
+// Forks a child that runs body and exits with what it returns (1 if it
+// throws), and that dies with this process however this one ends
+// (PR_SET_PDEATHSIG): a bound's server, which its client kills and reaps by
+// pid itself. Returns the child's pid, or -1 (errno set) if fork failed.
+pid_t forkTiedChild(const std::function<int()>& body);
+
 // The workers of a run, forked from the parent; whichever are still running
 // when this is destroyed are killed and reaped by pid, however the run ends.
 class WorkerProcesses {

@@ -39,7 +39,6 @@
 #include <netinet/tcp.h>
 #include <signal.h>
 #include <sys/mman.h>
-#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -444,19 +443,12 @@ int main(int argc, char** argv) {
 
   if (shared) {
     SharedExchange* exchange = mapSharedExchange();
-    const pid_t client = ::getpid();
-    pid_t child = ::fork();
+    pid_t child = torchrpc::bench::forkTiedChild([exchange]() {
+      serveShared(*exchange);
+      return 0;
+    });
     if (child < 0) {
       die("fork");
-    }
-    if (child == 0) {
-      // Never outlive the client, however it ends.
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != client) {
-        ::_exit(1);
-      }
-      serveShared(*exchange);
-      ::_exit(0);
     }
     serverPid = child;
     sharedRoundTrips(*exchange, 1, warmUp);
