@@ -13,14 +13,14 @@
 Exits 0 when all hold, 1 otherwise.
 """
 
-import ctypes
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
-import time
+
+sys.dont_write_bytecode = True  # no __pycache__ in tests/tools/
+from process_tree import (become_subreaper, expect_killed_server_reported,  # noqa: E402
+                          expect_server_dies_with_client, start_with_server)
 
 
 def run(cmd):
@@ -33,65 +33,15 @@ def fail(what, p):
              f"stderr tail:\n{p.stderr[-2000:]}")
 
 
-def children(pid):
-    """The pids whose parent is `pid`, from /proc."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(entry))
-    return found
-
-
-def ended(pid):
-    """Whether `pid` has ended; reaps it once it is this process's child."""
-    try:
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            return True
-    except ChildProcessError:
-        pass  # not (yet) reparented to this process
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True  # gone
-
-
-def wait_until(condition, seconds):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
-
-
 def start_full_run(binary):
-    """A run of 220 pairs (seconds to minutes), and its owner's pid."""
-    client = subprocess.Popen([binary, "--workload", "dist_autograd_overhead"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    owners = []
-    if not wait_until(lambda: owners.extend(children(client.pid)) or owners, 20):
-        client.kill()
-        client.wait()
-        sys.exit("FAIL: the run started no owner")
-    # Into the loop: the owner has its model (a second of warm-up at most).
-    time.sleep(1.0)
-    return client, owners[0]
+    """A run of 220 pairs (seconds to minutes), and its owner's pid, once
+    the owner is into the loop (it builds its model within a second)."""
+    return start_with_server([binary, "--workload", "dist_autograd_overhead"], settle=1.0)
 
 
 def main():
     binary = sys.argv[1]
-    # Orphans become this process's children, so that an owner whose client
-    # was killed can be waited for here.
-    PR_SET_CHILD_SUBREAPER = 36
-    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+    if not become_subreaper():
         sys.exit("FAIL: prctl(PR_SET_CHILD_SUBREAPER)")
 
     for spin in (None, 200):
@@ -119,30 +69,9 @@ def main():
             fail(f"{args} was not refused", p)
 
     # The owner dies: the client stops waiting and says so.
-    client, owner = start_full_run(binary)
-    try:
-        os.kill(owner, signal.SIGKILL)
-        out, err = client.communicate(timeout=60)
-        if client.returncode != 1 or "the owner closed the socket" not in err:
-            sys.exit(f"FAIL: after its owner was killed the client exited "
-                     f"{client.returncode}\nstderr tail:\n{err[-2000:]}")
-    finally:
-        if client.poll() is None:
-            client.kill()
-            client.wait()
-
+    expect_killed_server_reported(lambda: start_full_run(binary), "the owner closed the socket")
     # The client dies: its owner goes too.
-    client, owner = start_full_run(binary)
-    try:
-        client.kill()
-        client.wait()
-        if not wait_until(lambda: ended(owner), 20):
-            os.kill(owner, signal.SIGKILL)
-            sys.exit("FAIL: the owner outlived its killed client")
-    finally:
-        if client.poll() is None:
-            client.kill()
-            client.wait()
+    expect_server_dies_with_client(lambda: start_full_run(binary))
     print("autograd_limit: blocking and spinning runs trained the same parameters as "
           "one process; bad usage refused; neither side outlives the other")
 

@@ -14,57 +14,18 @@ is killed exits 1 saying so, and a server whose client is killed dies.
 Exits 0 when all hold, 1 otherwise.
 """
 
-import ctypes
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
+
+sys.dont_write_bytecode = True  # no __pycache__ in tests/tools/
+from process_tree import (become_subreaper, expect_killed_server_reported,  # noqa: E402
+                          expect_server_dies_with_client, start_with_server)
 
 
 def run(cmd):
     return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, timeout=30)
-
-
-def children(pid):
-    """The pids whose parent is `pid`, from /proc."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(entry))
-    return found
-
-
-def ended(pid):
-    """Whether `pid` has ended; reaps it once it is this process's child."""
-    try:
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            return True
-    except ChildProcessError:
-        pass  # not (yet) reparented to this process
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True  # gone
-
-
-def wait_until(condition, seconds):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 def start_long_shm_run(binary):
@@ -74,15 +35,8 @@ def start_long_shm_run(binary):
     the client's record of them (8 bytes a call, reserved up front) stays
     under half a gigabyte of address space, also under the sanitizers.
     """
-    client = subprocess.Popen([binary, "--workload", "call_rtt_1elem", "--socket", "shm",
-                               "--calls", "50000000"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    servers = []
-    if not wait_until(lambda: servers.extend(children(client.pid)) or servers, 20):
-        client.kill()
-        client.wait()
-        sys.exit("FAIL: the shared-page run started no server child")
-    return client, servers[0]
+    return start_with_server([binary, "--workload", "call_rtt_1elem", "--socket", "shm",
+                              "--calls", "50000000"])
 
 
 def fail(what, p):
@@ -92,11 +46,7 @@ def fail(what, p):
 
 def main():
     binary = sys.argv[1]
-    # Orphans become this process's children, so that a server whose client
-    # was killed can be waited for here, and reaped, rather than left to
-    # whatever init the machine has.
-    PR_SET_CHILD_SUBREAPER = 36
-    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+    if not become_subreaper():
         sys.exit("FAIL: prctl(PR_SET_CHILD_SUBREAPER)")
     for channel in ("unix", "tcp", "shm"):
         p = run([binary, "--workload", "call_rtt_1elem", "--socket", channel,
@@ -117,30 +67,9 @@ def main():
             fail(f"--socket shm {' '.join(extra)} was not refused", p)
 
     # The server dies: the client stops waiting and says so.
-    client, server = start_long_shm_run(binary)
-    try:
-        os.kill(server, signal.SIGKILL)
-        out, err = client.communicate(timeout=20)
-        if client.returncode != 1 or "the server died" not in err:
-            sys.exit(f"FAIL: after its server was killed the client exited "
-                     f"{client.returncode}\nstderr tail:\n{err[-2000:]}")
-    finally:
-        if client.poll() is None:
-            client.kill()
-            client.wait()
-
+    expect_killed_server_reported(lambda: start_long_shm_run(binary), "the server died")
     # The client dies: its server does not spin on.
-    client, server = start_long_shm_run(binary)
-    try:
-        client.kill()
-        client.wait()
-        if not wait_until(lambda: ended(server), 20):
-            os.kill(server, signal.SIGKILL)
-            sys.exit("FAIL: the server outlived its killed client")
-    finally:
-        if client.poll() is None:
-            client.kill()
-            client.wait()
+    expect_server_dies_with_client(lambda: start_long_shm_run(binary))
     print("call_limits: unix, tcp and shm round trips answered; shm refusals hold; "
           "neither side of the shared page outlives the other")
 
