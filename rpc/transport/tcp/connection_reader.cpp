@@ -47,6 +47,9 @@ constexpr size_t kDirectReadBytes = size_t(32) << 10;
 // it announced is on the way leaves a descriptor we cannot open; that says
 // it left (kWorkerUnavailable), not that it lied (kMalformedMessage).
 bool peerProcessGone(pid_t pid) {
+  if (pid <= 0) {
+    return false; // no same-host peer known: nothing says it left
+  }
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
   std::string line;
   if (!std::getline(stat, line)) {
