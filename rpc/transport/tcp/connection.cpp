@@ -178,9 +178,6 @@ void TcpConnectionImpl::send(Message&& message, Connection::SendCallback done) {
       }
     }
   }
-  // After any copy above: an io thread woken now to poll for the reply
-  // would have spent the copy taking a core from it.
-  context_->polling.noteSend();
   context_->tensorBytes.fetch_add(
       tensorBytes - copiedBytes,
       std::memory_order_relaxed);
@@ -211,6 +208,16 @@ void TcpConnectionImpl::send(Message&& message, Connection::SendCallback done) {
   // A frame with tensors by address or in segments stays on the socket:
   // its acks and segment checks are the socket path's.
   enqueue(std::move(frame), /*isData=*/true, /*mayUseRing=*/addresses.empty());
+  // Only now, after the write, may an io thread asleep in epoll be woken to
+  // poll for the reply (and after any copy above, which a polling thread
+  // would have taken a core from). On a virtual machine that wake-up is
+  // the dearest step of a send after a quiet spell when it is the one that
+  // brings an idle vCPU back (60-80 us, against about 8 for a wake-up once
+  // the vCPU is awake; bench/RESULTS.md, "The first wake-up after
+  // computing"): made before the write, it delayed the very message the
+  // peer waits for. Made after it, the peer's wake-up has usually brought
+  // the other vCPU back already.
+  context_->polling.noteSend();
 }
 
 void TcpConnectionImpl::close(const std::string& why) {
