@@ -1,0 +1,143 @@
+// What waking a sleeping thread costs the thread that wakes it, on this
+// machine, right after computing and right after sleeping. Every call
+// between two idle workers pays such wake-ups (a request wakes the callee,
+// the reply wakes the caller), and on a virtual machine the one that must
+// bring an idle vCPU back is far dearer than the next
+// (bench/RESULTS.md, "The first wake-up after computing").
+//
+//   BUILD_DIR/bench/wake_cost [--quick]
+//
+// Two threads sleep in read() on a Unix socket pair each. Each round this
+// thread either computes for 3 ms (sums a 32 MiB buffer, as a model's
+// layers stream their weights) or sleeps for 3 ms, then writes one byte to
+// the first sleeper and one to the second, timing each write: the first
+// is a wake-up after a quiet spell, the second one right after another.
+// 300 rounds of each kind (60 with --quick), alternating. Prints one JSON
+// line with the medians in microseconds:
+//   first_after_compute_us, second_after_compute_us,
+//   first_after_sleep_us, second_after_sleep_us.
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+[[noreturn]] void die(const char* what) {
+  std::fprintf(stderr, "wake_cost: %s: %s\n", what, std::strerror(errno));
+  std::exit(1);
+}
+
+// A thread asleep in read() on one end of a socket pair until the other
+// end closes.
+class Sleeper {
+ public:
+  Sleeper() {
+    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds_) != 0) {
+      die("socketpair");
+    }
+    thread_ = std::thread([fd = fds_[1]]() {
+      char byte;
+      while (::read(fd, &byte, 1) == 1) {
+      }
+    });
+  }
+  ~Sleeper() {
+    ::shutdown(fds_[0], SHUT_RDWR);
+    thread_.join();
+    ::close(fds_[0]);
+    ::close(fds_[1]);
+  }
+  Sleeper(const Sleeper&) = delete;
+  Sleeper& operator=(const Sleeper&) = delete;
+
+  // Wakes the thread; returns how long the write took, in microseconds.
+  double wake() {
+    const char byte = 1;
+    const auto start = Clock::now();
+    if (::write(fds_[0], &byte, 1) != 1) {
+      die("write");
+    }
+    return std::chrono::duration<double, std::micro>(Clock::now() - start)
+        .count();
+  }
+
+ private:
+  int fds_[2];
+  std::thread thread_;
+};
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
+// Sums `buffer` over and over for `duration`; the sum keeps the compiler
+// from dropping the loop.
+float computeFor(
+    const std::vector<float>& buffer,
+    std::chrono::milliseconds duration) {
+  float sum = 0;
+  const auto until = Clock::now() + duration;
+  while (Clock::now() < until) {
+    for (size_t i = 0; i < buffer.size(); i += 16) {
+      sum += buffer[i];
+    }
+  }
+  return sum;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) {
+      quick = true;
+    } else {
+      std::fprintf(stderr, "usage: wake_cost [--quick]\n");
+      return 2;
+    }
+  }
+  const int rounds = quick ? 60 : 300;
+  const auto spell = std::chrono::milliseconds(3);
+  std::vector<float> buffer((32u << 20) / sizeof(float), 1.0f);
+  Sleeper first;
+  Sleeper second;
+  std::vector<double> firstAfterCompute, secondAfterCompute;
+  std::vector<double> firstAfterSleep, secondAfterSleep;
+  float sum = 0;
+  for (int round = 0; round < rounds; ++round) {
+    sum += computeFor(buffer, spell);
+    firstAfterCompute.push_back(first.wake());
+    secondAfterCompute.push_back(second.wake());
+    std::this_thread::sleep_for(spell);
+    firstAfterSleep.push_back(first.wake());
+    secondAfterSleep.push_back(second.wake());
+  }
+  std::fprintf(
+      stderr,
+      "wake_cost: %d rounds; checksum %.0f\n",
+      rounds,
+      static_cast<double>(sum));
+  std::printf(
+      "{\"first_after_compute_us\": %.1f, \"second_after_compute_us\": %.1f, "
+      "\"first_after_sleep_us\": %.1f, \"second_after_sleep_us\": %.1f, "
+      "\"rounds\": %d}\n",
+      median(firstAfterCompute),
+      median(secondAfterCompute),
+      median(firstAfterSleep),
+      median(secondAfterSleep),
+      rounds);
+  return 0;
+}
