@@ -35,7 +35,10 @@ def main():
     lines = [line for line in p.stdout.splitlines() if line.strip()]
     if p.returncode != 0 or len(lines) != 1:
         fail("expected status 0 and one line", p)
-    figures = json.loads(lines[0])
+    try:
+        figures = json.loads(lines[0])
+    except ValueError:
+        fail("the line is not JSON", p)
     for key in KEYS:
         value = figures.get(key)
         if not isinstance(value, (int, float)) or not 0 < value < 1e6:

@@ -208,12 +208,12 @@ void TcpConnectionImpl::send(Message&& message, Connection::SendCallback done) {
   // A frame with tensors by address or in segments stays on the socket:
   // its acks and segment checks are the socket path's.
   enqueue(std::move(frame), /*isData=*/true, /*mayUseRing=*/addresses.empty());
-  // Only now, after the write, may an io thread asleep in epoll be woken to
-  // poll for the reply (and after any copy above, which a polling thread
-  // would have taken a core from). On a virtual machine that wake-up is
-  // the dearest step of a send after a quiet spell when it is the one that
-  // brings an idle vCPU back (60-80 us, against about 8 for a wake-up once
-  // the vCPU is awake; bench/RESULTS.md, "The first wake-up after
+  // Only now, with the frame written or queued, may an io thread asleep in
+  // epoll be woken to poll for the reply (and after any copy above, which
+  // a polling thread would have taken a core from). On a virtual machine
+  // that wake-up is the dearest step of a send after a quiet spell when it
+  // is the one that brings an idle vCPU back (45-75 us, against about 8-12
+  // once the vCPU is awake; bench/RESULTS.md, "The first wake-up after
   // computing"): made before the write, it delayed the very message the
   // peer waits for. Made after it, the peer's wake-up has usually brought
   // the other vCPU back already.

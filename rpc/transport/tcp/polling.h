@@ -63,9 +63,9 @@ class IoPolling {
   // A data frame went out or came in.
   void noteTraffic();
   // Called when this process has sent a data frame (on the sending thread,
-  // after the write: see TcpConnectionImpl::send): an io thread asleep in
-  // the kernel would only wake for the answer, too late to poll for it, so
-  // it is woken now to start polling.
+  // once the frame is written or queued: see TcpConnectionImpl::send). An
+  // io thread asleep in the kernel would only wake for the answer, too late
+  // to poll for it, so it is woken now to start polling.
   void noteSend();
   // Whether an io thread that found nothing to do should poll on.
   bool keepPolling() const;
