@@ -55,12 +55,37 @@ std::string jsonString(const std::string& text) {
   return out + "\"";
 }
 
+// A forked child's life: runs body and exits with what it returns, 1 if it
+// throws; it never unwinds into the parent's code.
+[[noreturn]] void runChild(const std::function<int()>& body) {
+  int code = 1;
+  try {
+    code = body();
+  } catch (...) {
+  }
+  std::fflush(nullptr);
+  ::_exit(code);
+}
+
 } // namespace
 
 [[noreturn]] void usage(const Program& program, const std::string& why) {
   std::cerr << program.name << ": " << why << "\nusage: " << program.name
             << " --workload NAME " << program.options << "\n";
   std::exit(2);
+}
+
+bool parseQuickOnly(const std::string& name, int argc, char** argv) {
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--quick") {
+      quick = true;
+    } else {
+      std::cerr << "usage: " << name << " [--quick]\n";
+      std::exit(2);
+    }
+  }
+  return quick;
 }
 
 Settings parseCommandLine(const Program& program, int argc, char** argv) {
@@ -227,16 +252,10 @@ pid_t forkTiedChild(const std::function<int()>& body) {
     // Never outlive the parent, however it ends; it may have ended before
     // the line above took effect.
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    int code = 1;
-    if (::getppid() == parent) {
-      try {
-        code = body();
-      } catch (...) {
-        // Never unwind into the parent's code in a child.
-      }
+    if (::getppid() != parent) {
+      ::_exit(1);
     }
-    std::fflush(nullptr);
-    ::_exit(code);
+    runChild(body);
   }
   return pid;
 }
@@ -245,14 +264,7 @@ pid_t WorkerProcesses::fork(const std::function<int()>& body) {
   std::fflush(nullptr);
   pid_t pid = ::fork();
   if (pid == 0) {
-    int code = 1;
-    try {
-      code = body();
-    } catch (...) {
-      // Never unwind into the parent's code in a child.
-    }
-    std::fflush(nullptr);
-    ::_exit(code);
+    runChild(body);
   }
   if (pid > 0) {
     pids_.push_back(pid); // never -1: kill(-1) would hit every process

@@ -56,6 +56,11 @@ struct Settings {
 // the program takes it; anything else is a usage error (exit 2).
 Settings parseCommandLine(const Program& program, int argc, char** argv);
 
+// For a program whose only option is --quick (the machine's own
+// measurements): whether it was given. Anything else prints
+// "usage: NAME [--quick]" on stderr and exits 2.
+bool parseQuickOnly(const std::string& name, int argc, char** argv);
+
 // ---- results ----------------------------------------------------------------
 
 double median(std::vector<double> values);

@@ -21,7 +21,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <iostream>
 #include <vector>
 
@@ -46,15 +45,8 @@ double chunkMedian(const at::Tensor& x, std::chrono::milliseconds chunk) {
 } // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--quick") == 0) {
-      quick = true;
-    } else {
-      std::cerr << "usage: machine_speed [--quick]\n";
-      return 2;
-    }
-  }
+  const bool quick =
+      torchrpc::bench::parseQuickOnly("machine_speed", argc, argv);
   at::Tensor x = at::ones({1});
   at::Tensor check = x + 1;
   if (check.item<float>() != 2.0f) {

@@ -17,6 +17,8 @@
 //   first_after_compute_us, second_after_compute_us,
 //   first_after_sleep_us, second_after_sleep_us, rounds.
 
+#include "bench/bench_support.h"
+
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -31,7 +33,7 @@
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using torchrpc::bench::Clock;
 
 [[noreturn]] void die(const char* what) {
   std::fprintf(stderr, "wake_cost: %s: %s\n", what, std::strerror(errno));
@@ -75,19 +77,13 @@ class Sleeper {
     if (::write(fds_[0], &byte, 1) != 1) {
       die("write");
     }
-    return std::chrono::duration<double, std::micro>(Clock::now() - start)
-        .count();
+    return torchrpc::bench::microsSince(start);
   }
 
  private:
   int fds_[2];
   std::thread thread_;
 };
-
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  return values[values.size() / 2];
-}
 
 // Sums `buffer`, one float per cache line, for `duration`: in chunks of
 // 64 KiB between looks at the clock (a whole pass over 32 MiB takes
@@ -114,15 +110,7 @@ float computeFor(
 } // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--quick") == 0) {
-      quick = true;
-    } else {
-      std::fprintf(stderr, "usage: wake_cost [--quick]\n");
-      return 2;
-    }
-  }
+  const bool quick = torchrpc::bench::parseQuickOnly("wake_cost", argc, argv);
   const int rounds = quick ? 60 : 300;
   const auto spell = std::chrono::milliseconds(3);
   std::vector<float> buffer((32u << 20) / sizeof(float), 1.0f);
@@ -148,10 +136,10 @@ int main(int argc, char** argv) {
       "{\"first_after_compute_us\": %.1f, \"second_after_compute_us\": %.1f, "
       "\"first_after_sleep_us\": %.1f, \"second_after_sleep_us\": %.1f, "
       "\"rounds\": %d}\n",
-      median(firstAfterCompute),
-      median(secondAfterCompute),
-      median(firstAfterSleep),
-      median(secondAfterSleep),
+      torchrpc::bench::median(firstAfterCompute),
+      torchrpc::bench::median(secondAfterCompute),
+      torchrpc::bench::median(firstAfterSleep),
+      torchrpc::bench::median(secondAfterSleep),
       rounds);
   return 0;
 }
