@@ -16,9 +16,13 @@ SpinningThreadPool::SpinningThreadPool(
     size_t threads,
     std::chrono::microseconds spin)
     : spin_(spin) {
+  sleeperSlots_.reserve(threads);
+  sleepers_.reserve(threads);
   threads_.reserve(threads);
   for (size_t i = 0; i < threads; ++i) {
-    threads_.emplace_back([this]() { workerLoop(); });
+    sleeperSlots_.push_back(std::make_unique<Sleeper>());
+    Sleeper* slot = sleeperSlots_.back().get();
+    threads_.emplace_back([this, slot]() { workerLoop(*slot); });
   }
 }
 
@@ -26,8 +30,13 @@ SpinningThreadPool::~SpinningThreadPool() {
   {
     std::lock_guard<std::mutex> guard(mutex_);
     stopping_ = true;
+    while (!sleepers_.empty()) {
+      popNewestSleeperLocked();
+    }
   }
-  workAvailable_.notify_all();
+  for (auto& slot : sleeperSlots_) {
+    slot->wake.notify_one();
+  }
   for (auto& thread : threads_) {
     if (thread.get_id() == std::this_thread::get_id()) {
       // The last owner let go inside one of our own tasks.
@@ -38,18 +47,27 @@ SpinningThreadPool::~SpinningThreadPool() {
   }
 }
 
+SpinningThreadPool::Sleeper* SpinningThreadPool::popNewestSleeperLocked() {
+  Sleeper* newest = sleepers_.back();
+  sleepers_.pop_back();
+  newest->woken = true;
+  return newest;
+}
+
 void SpinningThreadPool::run(std::function<void()> task) {
-  bool wake;
+  Sleeper* wake = nullptr;
   {
     std::lock_guard<std::mutex> guard(mutex_);
     tasks_.push_back(std::move(task));
     queued_.fetch_add(1, std::memory_order_release);
     // A spinning thread finds the task by itself; only wake a sleeper when
     // no one is spinning.
-    wake = sleeping_ > 0 && spinners_.load(std::memory_order_acquire) == 0;
+    if (!sleepers_.empty() && spinners_.load(std::memory_order_acquire) == 0) {
+      wake = popNewestSleeperLocked();
+    }
   }
-  if (wake) {
-    workAvailable_.notify_one();
+  if (wake != nullptr) {
+    wake->wake.notify_one();
   }
 }
 
@@ -105,10 +123,11 @@ SpinningThreadPool::Stats SpinningThreadPool::stats() const {
   out.running = running_;
   out.queued = tasks_.size();
   out.tasksRun = tasksRun_;
+  out.sleeping = sleepers_.size();
   return out;
 }
 
-void SpinningThreadPool::workerLoop() {
+void SpinningThreadPool::workerLoop(Sleeper& self) {
   currentPool = this;
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
@@ -116,14 +135,17 @@ void SpinningThreadPool::workerLoop() {
       lock.unlock();
       spinForWork();
       lock.lock();
-      ++sleeping_;
       // NB: a task queued while we spun but after the spinner gave up may
-      // have skipped the notify (it saw a spinner); the predicate catches
-      // it before we sleep.
-      workAvailable_.wait(lock, [this]() {
-        return !tasks_.empty() || stopping_;
-      });
-      --sleeping_;
+      // have skipped the wake-up (it saw a spinner); checked here, under
+      // the lock, before we sleep.
+      if (tasks_.empty() && !stopping_) {
+        self.woken = false;
+        sleepers_.push_back(&self);
+        self.wake.wait(lock, [&self]() { return self.woken; });
+        // The task this thread was woken for may have been taken by a
+        // thread that finished its own meanwhile: look again.
+        continue;
+      }
     }
     if (tasks_.empty()) {
       return; // stopping, and nothing left to run
@@ -136,10 +158,13 @@ void SpinningThreadPool::workerLoop() {
     // run() woke no one if a spinner was about to take the work; tasks that
     // queued up meanwhile must not wait behind this one while threads sleep
     // (the one we run may itself wait for them).
-    bool wakeAnother = !tasks_.empty() && sleeping_ > 0;
+    Sleeper* wakeAnother = nullptr;
+    if (!tasks_.empty() && !sleepers_.empty()) {
+      wakeAnother = popNewestSleeperLocked();
+    }
     lock.unlock();
-    if (wakeAnother) {
-      workAvailable_.notify_one();
+    if (wakeAnother != nullptr) {
+      wakeAnother->wake.notify_one();
     }
     try {
       task();

@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -27,9 +28,25 @@ namespace detail {
 // its CPU awake between messages. `spin` of zero turns it off. On a busy
 // machine nobody spins: see Note [Spinning on a busy machine].
 
+// Note [The newest sleeper takes the next task]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A task that finds no thread spinning wakes the thread that went to sleep
+// last, not whichever a shared condition variable picks (measured: each
+// thread in turn). In a conversation of one call at a time, such as a
+// training loop's, one or two threads then run the handlers instead of
+// all of them, and find in their caches and their malloc arenas
+// what the last handlers left. In dist_autograd_overhead, the parameter
+// owner's weight-gradient products that took 15-21 ms instead of 1.4 (each
+// faulted a fresh 4 MiB in page by page: about 1,000 faults at 15 us on
+// this virtual machine) fell from 42-45 to 24-25 of a run's 880. Threads
+// that are not needed sleep longer, which costs nothing; a thread woken for
+// a task another thread took first goes back to waiting. bench/RESULTS.md
+// has the measurements.
+
 // The pool that runs the agent's handlers and continuations. Same interface
-// as c10::ThreadPool, plus the adaptive spin, and tasks queued before
-// destruction still run (c10::ThreadPool drops them).
+// as c10::ThreadPool, plus the adaptive spin and the wake-up order above,
+// and tasks queued before destruction still run (c10::ThreadPool drops
+// them).
 class SpinningThreadPool : public c10::TaskThreadPoolBase {
  public:
   SpinningThreadPool(size_t threads, std::chrono::microseconds spin);
@@ -43,28 +60,42 @@ class SpinningThreadPool : public c10::TaskThreadPoolBase {
   // Blocks until no task is queued or running.
   void waitWorkComplete();
 
-  // For metrics: tasks running and queued now, and run so far.
+  // For metrics: tasks running and queued now, and run so far; threads
+  // asleep waiting for work.
   struct Stats {
     size_t threads = 0;
     size_t running = 0;
     size_t queued = 0;
     uint64_t tasksRun = 0;
+    size_t sleeping = 0;
   };
   Stats stats() const;
 
  private:
-  void workerLoop();
+  // One per thread, owned by the pool (so a waker may notify it after
+  // unlocking, whatever the thread does meanwhile).
+  struct Sleeper {
+    std::condition_variable wake;
+    // Set, under mutex_, by the waker that took it off sleepers_.
+    bool woken = false;
+  };
+  void workerLoop(Sleeper& self);
+  // Takes the newest sleeper off sleepers_ (which must not be empty) and
+  // marks it woken; the caller notifies it. Under mutex_.
+  Sleeper* popNewestSleeperLocked();
   // Polls for a queued task for up to spin_; true if one appeared.
   bool spinForWork();
 
   const std::chrono::microseconds spin_;
   mutable std::mutex mutex_;
-  std::condition_variable workAvailable_;
   std::condition_variable workDone_;
   std::deque<std::function<void()>> tasks_;
   std::atomic<size_t> queued_{0};
   std::atomic<int> spinners_{0};
-  size_t sleeping_ = 0;
+  std::vector<std::unique_ptr<Sleeper>> sleeperSlots_;
+  // Threads asleep waiting for work, in the order they went to sleep (Note
+  // [The newest sleeper takes the next task]).
+  std::vector<Sleeper*> sleepers_;
   size_t running_ = 0;
   uint64_t tasksRun_ = 0;
   bool stopping_ = false;

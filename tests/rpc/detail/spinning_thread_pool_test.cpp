@@ -5,6 +5,7 @@
 #include <condition_variable>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "torchrpc/rpc/detail/spinning_thread_pool.h"
 
@@ -98,6 +99,85 @@ TEST_P(SpinningThreadPoolTest, QueuedTasksDoNotWaitBehindTheSpinnersTask) {
     pool.waitWorkComplete();
   }
   EXPECT_EQ(stalls, 0);
+}
+
+// Waits, at most 5 s, until every thread of `pool` sleeps.
+bool allAsleep(const SpinningThreadPool& pool) {
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (pool.stats().sleeping != pool.size()) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      return false;
+    }
+    std::this_thread::sleep_for(100us);
+  }
+  return true;
+}
+
+// Note [The newest sleeper takes the next task]: one task at a time, each
+// finding every thread asleep, all run on one thread.
+TEST_P(SpinningThreadPoolTest, TheThreadThatSleptLastRunsTheNextTask) {
+  SpinningThreadPool pool(4, GetParam());
+  ASSERT_TRUE(allAsleep(pool));
+  std::vector<std::thread::id> ranOn;
+  for (int i = 0; i < 20; ++i) {
+    std::thread::id id;
+    pool.run([&id]() { id = std::this_thread::get_id(); });
+    pool.waitWorkComplete();
+    ranOn.push_back(id);
+    ASSERT_TRUE(allAsleep(pool)) << "after task " << i;
+  }
+  for (size_t i = 1; i < ranOn.size(); ++i) {
+    EXPECT_EQ(ranOn[i], ranOn[0]) << "task " << i << " ran on another thread";
+  }
+}
+
+// A second task queued while the first runs wakes another thread, the
+// newest sleeper: both run at once.
+TEST_P(SpinningThreadPoolTest, ATaskQueuedWhileAnotherRunsWakesAnotherThread) {
+  SpinningThreadPool pool(4, GetParam());
+  ASSERT_TRUE(allAsleep(pool));
+  std::mutex mutex;
+  std::condition_variable cv;
+  int started = 0;
+  int metTheOther = 0;
+  auto task = [&]() {
+    std::unique_lock<std::mutex> lock(mutex);
+    ++started;
+    cv.notify_all();
+    if (cv.wait_for(lock, 5s, [&]() { return started == 2; })) {
+      ++metTheOther;
+    }
+  };
+  pool.run(task);
+  pool.run(task);
+  pool.waitWorkComplete();
+  EXPECT_EQ(metTheOther, 2) << "the tasks did not run at the same time";
+}
+
+// A thread woken for a task that another thread took first goes back to
+// sleep: after storms of tasks from several threads, every thread of the
+// pool is still there, asleep.
+TEST_P(SpinningThreadPoolTest, AThreadWokenForATaskTakenByAnotherStays) {
+  SpinningThreadPool pool(4, GetParam());
+  std::atomic<int> ran{0};
+  for (int storm = 0; storm < 50; ++storm) {
+    std::vector<std::thread> submitters;
+    for (int s = 0; s < 3; ++s) {
+      submitters.emplace_back([&]() {
+        for (int i = 0; i < 20; ++i) {
+          pool.run([&]() { ++ran; });
+        }
+      });
+    }
+    for (auto& submitter : submitters) {
+      submitter.join();
+    }
+    pool.waitWorkComplete();
+    ASSERT_TRUE(allAsleep(pool))
+        << "storm " << storm << ": " << pool.stats().sleeping << " of "
+        << pool.size() << " threads asleep";
+  }
+  EXPECT_EQ(ran.load(), 50 * 3 * 20);
 }
 
 TEST(SpinningThreadPool, IdlePoolUsesNoCpu) {
