@@ -138,13 +138,13 @@ void SpinningThreadPool::workerLoop(Sleeper& self) {
       // NB: a task queued while we spun but after the spinner gave up may
       // have skipped the wake-up (it saw a spinner); checked here, under
       // the lock, before we sleep.
-      if (tasks_.empty() && !stopping_) {
+      // The task a thread is woken for may have been taken meanwhile by a
+      // thread that finished its own: it then goes back to waiting, without
+      // spinning.
+      while (tasks_.empty() && !stopping_) {
         self.woken = false;
         sleepers_.push_back(&self);
         self.wake.wait(lock, [&self]() { return self.woken; });
-        // The task this thread was woken for may have been taken by a
-        // thread that finished its own meanwhile: look again.
-        continue;
       }
     }
     if (tasks_.empty()) {

@@ -40,8 +40,8 @@ namespace detail {
 // faulted a fresh 4 MiB in page by page: about 1,000 faults at 15 us on
 // this virtual machine) fell from 42-45 to 24-25 of a run's 880. Threads
 // that are not needed sleep longer, which costs nothing; a thread woken for
-// a task another thread took first goes back to waiting. bench/RESULTS.md
-// has the measurements.
+// a task another thread took first goes back to waiting, without spinning.
+// bench/RESULTS.md has the measurements.
 
 // The pool that runs the agent's handlers and continuations. Same interface
 // as c10::ThreadPool, plus the adaptive spin and the wake-up order above,

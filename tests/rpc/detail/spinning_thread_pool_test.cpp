@@ -131,8 +131,8 @@ TEST_P(SpinningThreadPoolTest, TheThreadThatSleptLastRunsTheNextTask) {
   }
 }
 
-// A second task queued while the first runs wakes another thread, the
-// newest sleeper: both run at once.
+// A second task queued while the first runs wakes another thread: both run
+// at once.
 TEST_P(SpinningThreadPoolTest, ATaskQueuedWhileAnotherRunsWakesAnotherThread) {
   SpinningThreadPool pool(4, GetParam());
   ASSERT_TRUE(allAsleep(pool));
