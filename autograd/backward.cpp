@@ -1,22 +1,54 @@
 #include "torchrpc/autograd/backward.h"
 
+#include <c10/core/thread_pool.h>
 #include <c10/util/Exception.h>
+
+#include <exception>
 
 #include "torchrpc/autograd/context_container.h"
 #include "torchrpc/autograd/engine/dist_engine.h"
+#include "torchrpc/rpc/agent.h"
 #include "torchrpc/rpc/future.h"
+#include "torchrpc/rpc/runtime.h"
 
 namespace torchrpc {
 namespace autograd {
 
 namespace {
 
+using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
+
 // As rpc::Future::wait(): the waiting thread reads the answers that
 // complete the pass itself (Note [Waiting callers drive the transport] in
 // rpc/detail/wait_drivers.h), instead of being woken by the thread that
 // read them. Rethrows the pass's error.
-void waitAndRethrow(const c10::intrusive_ptr<c10::ivalue::Future>& future) {
+void waitAndRethrow(const FuturePtr& future) {
   rpc::Future<void>(future).wait();
+}
+
+// The engine's future completes where the pass's last answer is read, often
+// on a transport's thread (DistEngine::backward); a caller's callbacks may
+// wait or take long, so the future it is given completes on the pool.
+FuturePtr completedOnThePool(rpc::Runtime& runtime, const FuturePtr& pass) {
+  auto forCaller =
+      c10::make_intrusive<c10::ivalue::Future>(pass->elementType());
+  auto& pool = runtime.agent().threadPool();
+  pass->addCallback([&pool, forCaller](c10::ivalue::Future& done) {
+    if (pool.inThreadPool()) {
+      rpc::completeFrom(done, *forCaller);
+      return;
+    }
+    std::exception_ptr error = done.hasError() ? done.exception_ptr() : nullptr;
+    c10::IValue value = error ? c10::IValue() : done.value();
+    pool.run([forCaller, error, value]() {
+      if (error) {
+        forCaller->setError(error);
+      } else {
+        forCaller->markCompleted(value);
+      }
+    });
+  });
+  return forCaller;
 }
 
 } // namespace
@@ -27,11 +59,13 @@ c10::intrusive_ptr<c10::ivalue::Future> backwardAsync(
     const std::vector<at::Tensor>& roots,
     const std::vector<at::Tensor>& grads,
     const BackwardOptions& options) {
-  return ContextContainer::of(runtime)->engine().backward(
-      contextId,
-      roots,
-      grads,
-      options);
+  return completedOnThePool(
+      runtime,
+      ContextContainer::of(runtime)->engine().backward(
+          contextId,
+          roots,
+          grads,
+          options));
 }
 
 void backward(
@@ -40,7 +74,13 @@ void backward(
     const std::vector<at::Tensor>& roots,
     const std::vector<at::Tensor>& grads,
     const BackwardOptions& options) {
-  waitAndRethrow(backwardAsync(runtime, contextId, roots, grads, options));
+  // Waits on the engine's own future: its last answer wakes this thread
+  // directly, with no pool thread in between.
+  waitAndRethrow(ContextContainer::of(runtime)->engine().backward(
+      contextId,
+      roots,
+      grads,
+      options));
 }
 
 void backwardOnOwner(

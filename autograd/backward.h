@@ -49,7 +49,8 @@ void backward(
     const BackwardOptions& options = {});
 
 // As backward(), without blocking: the future completes when the pass has
-// ended (with the errors above). Misuse still throws.
+// ended (with the errors above), on a pool thread, so its callbacks may
+// block. Misuse still throws.
 c10::intrusive_ptr<c10::ivalue::Future> backwardAsync(
     rpc::Runtime& runtime,
     int64_t contextId,

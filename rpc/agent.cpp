@@ -156,7 +156,11 @@ struct ServedRequest {
 // OutgoingRequest::awaitedSynchronously) is decoded and completed right on
 // the transport thread, since the only thing waiting is the caller's wait().
 // So is the response to an rpcAsync whose future has no callback yet (Note
-// [Replies completed where they are read] in rpc/future.h).
+// [Replies completed where they are read] in rpc/future.h), and one whose
+// future only an upper layer's own short callbacks follow
+// (OutgoingRequest::callbacksRunWhereRead: the answer that ends a
+// distributed backward pass, which then reaches the waiting caller without
+// a pool thread in between).
 // Cancel messages are handled on the transport thread too (Note [Cancelled
 // requests]), and so are requests of kinds registered with
 // Dispatch::kInline: hang reports, which must be answered even while every
@@ -437,7 +441,8 @@ class AgentImpl : public std::enable_shared_from_this<AgentImpl> {
     call.stats = &stats;
     call.sentAt = sentAt;
     call.traced = traced;
-    call.completeOnTransportThread = request.awaitedSynchronously;
+    call.completeOnTransportThread =
+        request.awaitedSynchronously || request.callbacksRunWhereRead;
     call.inlineCompletion = std::move(request.inlineCompletion);
     if (request.timeout.count() > 0) {
       call.deadline = sentAt + request.timeout;

@@ -118,6 +118,13 @@ struct OutgoingRequest {
   // anyone who could attach callbacks: the response is then completed on
   // the transport's thread, saving a hand-off (see agent.cpp).
   bool awaitedSynchronously = false;
+  // Set by torchrpc's own layers when every callback the returned future
+  // will ever have is theirs, short and never waiting (no user code): the
+  // response is then completed on the thread that reads it, as for
+  // awaitedSynchronously, which saves waking a pool thread for it. A layer
+  // that passes such a future's outcome on to user code hands it to the
+  // pool first.
+  bool callbacksRunWhereRead = false;
   // Set when the returned future is shown only through a Future<T> holding
   // the same object: the response is then completed on the thread that
   // reads it unless a callback was attached first (Note [Replies completed

@@ -412,7 +412,17 @@ void DistEngine::discoverThenRun(
     const std::shared_ptr<LocalBackward>& pass,
     const std::shared_ptr<DistContext>& context,
     const LocalBackward::NewlyReached& reached) {
-  auto finish = [driven](c10::ivalue::Future& all) { driven->finish(all); };
+  auto finish = [driven](c10::ivalue::Future& all) {
+    auto engine = driven->engine.lock();
+    if (all.hasError() && engine) {
+      // The last answer may complete on the transport's thread (runPass);
+      // the abort gathers a hang report and sends, so it runs on the pool.
+      engine->agent_.threadPool().run(
+          [driven, error = all.exception_ptr()]() { driven->fail(error); });
+      return;
+    }
+    driven->finish(all);
+  };
   if (discoveryEndsHere(*context, reached, selfId_)) {
     // D2'.
     pass->setSkippedDiscovery();
@@ -492,9 +502,13 @@ FuturePtr DistEngine::runPass(
         message.add_marked_sends(messageId);
       }
     }
-    parts.push_back(agent_.send(
-        rpc::WorkerRef(worker),
-        passRequest(kAwaitKind, message, timeout)));
+    auto request = passRequest(kAwaitKind, message, timeout);
+    // Its answer usually ends the pass; only the engine's own callbacks
+    // follow it (firstErrorOrAll, then finish), so it completes where it is
+    // read and reaches a caller waiting in backward() without waking a pool
+    // thread in between (backward() in dist_engine.h).
+    request.callbacksRunWhereRead = true;
+    parts.push_back(agent_.send(rpc::WorkerRef(worker), std::move(request)));
   }
   pass->start();
   return firstErrorOrAll(parts);

@@ -121,14 +121,17 @@ class DistEngine : public std::enable_shared_from_this<DistEngine> {
   // Runs a pass in context `contextId` from `roots` (with `grads`, or an
   // implicit 1 for one-element roots). Throws c10::Error for misuse found
   // before anything is sent; every later failure completes the future with
-  // an rpc::RpcError.
+  // an rpc::RpcError. The future usually completes on the thread that reads
+  // the pass's last answer, a transport's: its callbacks must be short and
+  // never wait (backwardAsync() hands it to the pool for its callers).
   c10::intrusive_ptr<c10::ivalue::Future> backward(
       int64_t contextId,
       const std::vector<at::Tensor>& roots,
       const std::vector<at::Tensor>& grads,
       const BackwardOptions& options);
 
-  // Runs a pass on the owner of `root` (an RRef of a tensor, as an IValue).
+  // Runs a pass on the owner of `root` (an RRef of a tensor, as an IValue);
+  // its future completes as backward()'s does.
   c10::intrusive_ptr<c10::ivalue::Future> backwardOnOwner(
       int64_t contextId,
       const c10::IValue& root,

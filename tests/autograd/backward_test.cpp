@@ -3,6 +3,7 @@
 // gradient is compared with plain libtorch autograd on the same program.
 
 #include <ATen/ATen.h>
+#include <c10/core/thread_pool.h>
 #include <c10/util/Logging.h>
 #include <gtest/gtest.h>
 
@@ -25,6 +26,7 @@
 #include "torchrpc/autograd/backward.h"
 #include "torchrpc/autograd/context.h"
 #include "torchrpc/autograd/context_container.h"
+#include "torchrpc/autograd/engine/dist_engine.h"
 #include "torchrpc/autograd/messages.h"
 #include "torchrpc/rpc/wire/envelope.h"
 #include "torchrpc/rref/rref.h"
@@ -373,6 +375,96 @@ TEST_P(DistributedBackward, GradientsAreAnsweredBeforeTheyRun) {
   }
   if (GetParam() == rpc::TransportKind::kInProcess) {
     cluster_->network().setFaultInjector(nullptr);
+  }
+  cluster_->expectNothingLeft();
+}
+
+// The answer that ends a pass (the server's kAwait's: the gradients it took
+// were answered at once) completes the engine's future on the thread that
+// reads it, a transport's, so a caller waiting in backward() wakes without
+// a pool thread in between.
+TEST_P(DistributedBackward, TheLastAnswerEndsThePassWhereItIsRead) {
+  // The server's part holds in its leaf's hook until the trainer's own part
+  // is surely done: the kAwait's answer then comes last.
+  auto gate = std::make_shared<Gate>();
+  OpenOnExit opener(*gate);
+  net(1).param("w").register_hook([gate](const at::Tensor& grad) {
+    gate->pass();
+    return grad;
+  });
+  auto x = zoo::input();
+  {
+    autograd::Context context(rt(0));
+    auto pass = ContextContainer::of(rt(0))->engine().backward(
+        context.id(),
+        {trainerStep(net(0), x)},
+        {},
+        {});
+    std::atomic<int> onPool{-1};
+    pass->addCallback([&](c10::ivalue::Future&) {
+      onPool = rt(0).agent().threadPool().inThreadPool() ? 1 : 0;
+    });
+    ASSERT_TRUE(gate->waitForWaiting(1));
+    EXPECT_TRUE(eventually(
+        [&]() { return rt(0).agent().counters().pendingCalls == 1; },
+        std::chrono::seconds(5)))
+        << rt(0).hangReport();
+    gate->open();
+    rpc::Future<void>(pass).wait();
+    EXPECT_EQ(onPool.load(), 0);
+    expectTrainerGradients(net(0), net(1), context.id(), x);
+  }
+  cluster_->expectNothingLeft();
+}
+
+// backwardAsync's callers attach their own callbacks, which may block: the
+// future they get completes on the pool, where a callback can make a call
+// of its own and wait for it.
+TEST_P(DistributedBackward, BackwardAsyncCallbacksRunOnThePool) {
+  // As above: the kAwait's answer, read on a transport's thread, ends the
+  // pass.
+  auto gate = std::make_shared<Gate>();
+  OpenOnExit opener(*gate);
+  net(1).param("w").register_hook([gate](const at::Tensor& grad) {
+    gate->pass();
+    return grad;
+  });
+  auto x = zoo::input();
+  {
+    autograd::Context context(rt(0));
+    auto pass =
+        autograd::backwardAsync(rt(0), context.id(), {trainerStep(net(0), x)});
+    ASSERT_TRUE(gate->waitForWaiting(1));
+    EXPECT_TRUE(eventually(
+        [&]() { return rt(0).agent().counters().pendingCalls == 1; },
+        std::chrono::seconds(5)))
+        << rt(0).hangReport();
+    std::promise<std::pair<bool, at::Tensor>> seen;
+    auto result = seen.get_future();
+    pass->addCallback([&](c10::ivalue::Future& done) {
+      bool onPool = rt(0).agent().threadPool().inThreadPool();
+      try {
+        done.value();
+        seen.set_value(
+            {onPool,
+             rt(0).rpcSync<at::Tensor>(
+                 "worker1",
+                 "times",
+                 at::full({2}, 3.0),
+                 at::full({2}, 2.0))});
+      } catch (...) {
+        seen.set_exception(std::current_exception());
+      }
+    });
+    gate->open();
+    ASSERT_EQ(
+        result.wait_for(std::chrono::seconds(30)),
+        std::future_status::ready)
+        << rt(0).hangReport();
+    auto [onPool, product] = result.get();
+    EXPECT_TRUE(onPool);
+    EXPECT_TRUE(at::equal(product, at::full({2}, 6.0)));
+    expectTrainerGradients(net(0), net(1), context.id(), x);
   }
   cluster_->expectNothingLeft();
 }
