@@ -28,16 +28,15 @@ void waitAndRethrow(const FuturePtr& future) {
 
 // The engine's future completes where the pass's last answer is read, often
 // on a transport's thread (DistEngine::backward); a caller's callbacks may
-// wait or take long, so the future it is given completes on the pool.
+// wait or take long, so the future it is given completes on the pool. Always
+// through a task: even a pool thread may be reading the transport's messages
+// at that moment, while it waits for a call of its own (Note [Waiting
+// callers drive the transport] in rpc/detail/wait_drivers.h).
 FuturePtr completedOnThePool(rpc::Runtime& runtime, const FuturePtr& pass) {
   auto forCaller =
       c10::make_intrusive<c10::ivalue::Future>(pass->elementType());
   auto& pool = runtime.agent().threadPool();
   pass->addCallback([&pool, forCaller](c10::ivalue::Future& done) {
-    if (pool.inThreadPool()) {
-      rpc::completeFrom(done, *forCaller);
-      return;
-    }
     std::exception_ptr error = done.hasError() ? done.exception_ptr() : nullptr;
     c10::IValue value = error ? c10::IValue() : done.value();
     pool.run([forCaller, error, value]() {

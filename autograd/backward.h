@@ -49,8 +49,9 @@ void backward(
     const BackwardOptions& options = {});
 
 // As backward(), without blocking: the future completes when the pass has
-// ended (with the errors above), on a pool thread, so its callbacks may
-// block. Misuse still throws.
+// ended (with the errors above), always in a task of the worker's pool, so
+// its callbacks may block (each blocked callback holds a pool thread).
+// Misuse still throws.
 c10::intrusive_ptr<c10::ivalue::Future> backwardAsync(
     rpc::Runtime& runtime,
     int64_t contextId,

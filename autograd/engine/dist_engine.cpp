@@ -412,17 +412,11 @@ void DistEngine::discoverThenRun(
     const std::shared_ptr<LocalBackward>& pass,
     const std::shared_ptr<DistContext>& context,
     const LocalBackward::NewlyReached& reached) {
-  auto finish = [driven](c10::ivalue::Future& all) {
-    auto engine = driven->engine.lock();
-    if (all.hasError() && engine) {
-      // The last answer may complete on the transport's thread (runPass);
-      // the abort gathers a hang report and sends, so it runs on the pool.
-      engine->agent_.threadPool().run(
-          [driven, error = all.exception_ptr()]() { driven->fail(error); });
-      return;
-    }
-    driven->finish(all);
-  };
+  // May run on the thread that read the pass's last answer (runPass). On
+  // failure it starts the abort there: a local hang report and messages,
+  // never a wait, so that the deadline ends a pass even while every pool
+  // thread is busy.
+  auto finish = [driven](c10::ivalue::Future& all) { driven->finish(all); };
   if (discoveryEndsHere(*context, reached, selfId_)) {
     // D2'.
     pass->setSkippedDiscovery();

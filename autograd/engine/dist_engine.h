@@ -121,8 +121,9 @@ class DistEngine : public std::enable_shared_from_this<DistEngine> {
   // Runs a pass in context `contextId` from `roots` (with `grads`, or an
   // implicit 1 for one-element roots). Throws c10::Error for misuse found
   // before anything is sent; every later failure completes the future with
-  // an rpc::RpcError. The future usually completes on the thread that reads
-  // the pass's last answer, a transport's: its callbacks must be short and
+  // an rpc::RpcError. The future completes on whichever thread ends the
+  // pass, often the one that reads its last answer (a transport's, or a
+  // caller's that drives the transport): its callbacks must be short and
   // never wait (backwardAsync() hands it to the pool for its callers).
   c10::intrusive_ptr<c10::ivalue::Future> backward(
       int64_t contextId,

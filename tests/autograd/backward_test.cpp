@@ -26,6 +26,7 @@
 #include "torchrpc/autograd/backward.h"
 #include "torchrpc/autograd/context.h"
 #include "torchrpc/autograd/context_container.h"
+#include "torchrpc/autograd/dist_context.h"
 #include "torchrpc/autograd/engine/dist_engine.h"
 #include "torchrpc/autograd/messages.h"
 #include "torchrpc/rpc/wire/envelope.h"
@@ -400,18 +401,34 @@ TEST_P(DistributedBackward, TheLastAnswerEndsThePassWhereItIsRead) {
         {trainerStep(net(0), x)},
         {},
         {});
-    std::atomic<int> onPool{-1};
-    pass->addCallback([&](c10::ivalue::Future&) {
-      onPool = rt(0).agent().threadPool().inThreadPool() ? 1 : 0;
+    auto onPool = std::make_shared<std::atomic<int>>(-1);
+    rpc::Runtime* trainer = &rt(0);
+    pass->addCallback([onPool, trainer](c10::ivalue::Future&) {
+      *onPool = trainer->agent().threadPool().inThreadPool() ? 1 : 0;
     });
     ASSERT_TRUE(gate->waitForWaiting(1));
+    // The trainer's own part (its leaf v) ends on the pool once the server
+    // took its gradients; the kAwait's answer must be what ends the pass.
+    auto context0 = ContextContainer::of(rt(0))->find(context.id());
+    ASSERT_TRUE(context0);
     EXPECT_TRUE(eventually(
-        [&]() { return rt(0).agent().counters().pendingCalls == 1; },
+        [&]() {
+          for (const auto& entry : context0->passes()) {
+            if (!entry.second->done()->completed()) {
+              return false;
+            }
+          }
+          return true;
+        },
         std::chrono::seconds(5)))
         << rt(0).hangReport();
     gate->open();
     rpc::Future<void>(pass).wait();
-    EXPECT_EQ(onPool.load(), 0);
+    // wait() may return before the callbacks have run.
+    EXPECT_TRUE(eventually(
+        [&]() { return onPool->load() != -1; },
+        std::chrono::seconds(5)));
+    EXPECT_EQ(onPool->load(), 0);
     expectTrainerGradients(net(0), net(1), context.id(), x);
   }
   cluster_->expectNothingLeft();
@@ -439,21 +456,22 @@ TEST_P(DistributedBackward, BackwardAsyncCallbacksRunOnThePool) {
         [&]() { return rt(0).agent().counters().pendingCalls == 1; },
         std::chrono::seconds(5)))
         << rt(0).hangReport();
-    std::promise<std::pair<bool, at::Tensor>> seen;
-    auto result = seen.get_future();
-    pass->addCallback([&](c10::ivalue::Future& done) {
-      bool onPool = rt(0).agent().threadPool().inThreadPool();
+    auto seen = std::make_shared<std::promise<std::pair<bool, at::Tensor>>>();
+    auto result = seen->get_future();
+    rpc::Runtime* trainer = &rt(0);
+    pass->addCallback([seen, trainer](c10::ivalue::Future& done) {
+      bool onPool = trainer->agent().threadPool().inThreadPool();
       try {
         done.value();
-        seen.set_value(
+        seen->set_value(
             {onPool,
-             rt(0).rpcSync<at::Tensor>(
+             trainer->rpcSync<at::Tensor>(
                  "worker1",
                  "times",
                  at::full({2}, 3.0),
                  at::full({2}, 2.0))});
       } catch (...) {
-        seen.set_exception(std::current_exception());
+        seen->set_exception(std::current_exception());
       }
     });
     gate->open();
