@@ -540,7 +540,18 @@ TEST_F(TcpSharedRingHostile, BadOffersAndBellsAreRefused) {
 // pending call failed as a malformed message instead of a lost worker).
 // Its peer forks a grandchild that runs on, so the test is named for the
 // forking tests' filter (tests/CMakeLists.txt).
-class TcpSharedRingMultiProcess : public TcpSharedRingHostile {};
+class TcpSharedRingMultiProcess : public TcpSharedRingHostile {
+ protected:
+  // The peer stays silent from its negotiation until its process has
+  // exited, which on a loaded machine took over the 4 s after which a
+  // silent connection is dropped as lost: the server must not give up on it
+  // before its offer comes (its grandchild waits at most 10 s).
+  detail::TcpTransportOptions serverOptions() override {
+    detail::TcpTransportOptions options = pollingOptions("server");
+    options.peerTimeout = std::chrono::seconds(30);
+    return options;
+  }
+};
 
 // The peer of the test below, in a process of its own: this binary again
 // (tests/support/this_binary.h), so that it starts with one thread and may
@@ -626,7 +637,8 @@ TEST_F(TcpSharedRingMultiProcess, AnOfferFromAPeerThatHasExitedSaysItLeft) {
       << ")";
   auto accepted = acceptor_->waitFor(index);
   ASSERT_NE(accepted.connection, nullptr);
-  const bool failed = accepted.inbox->waitForError();
+  // Its offer comes once its parent has exited (at most 10 s).
+  const bool failed = accepted.inbox->waitForError(std::chrono::seconds(20));
   // The grandchild is not our child: killed by pid however the test went.
   if (grandchild > 0) {
     ::kill(grandchild, SIGKILL);
