@@ -3,8 +3,6 @@
 #include <c10/core/thread_pool.h>
 #include <c10/util/Exception.h>
 
-#include <exception>
-
 #include "torchrpc/autograd/context_container.h"
 #include "torchrpc/autograd/engine/dist_engine.h"
 #include "torchrpc/rpc/agent.h"
@@ -36,16 +34,11 @@ FuturePtr completedOnThePool(rpc::Runtime& runtime, const FuturePtr& pass) {
   auto forCaller =
       c10::make_intrusive<c10::ivalue::Future>(pass->elementType());
   auto& pool = runtime.agent().threadPool();
-  pass->addCallback([&pool, forCaller](c10::ivalue::Future& done) {
-    std::exception_ptr error = done.hasError() ? done.exception_ptr() : nullptr;
-    c10::IValue value = error ? c10::IValue() : done.value();
-    pool.run([forCaller, error, value]() {
-      if (error) {
-        forCaller->setError(error);
-      } else {
-        forCaller->markCompleted(value);
-      }
-    });
+  // Holding `pass` in its own callback is no cycle for long: a future drops
+  // its callbacks once it has run them, and the pass always ends (its
+  // deadline).
+  pass->addCallback([&pool, forCaller, pass](c10::ivalue::Future&) {
+    pool.run([forCaller, pass]() { rpc::completeFrom(*pass, *forCaller); });
   });
   return forCaller;
 }

@@ -295,6 +295,17 @@ void expectTrainerGradients(
       "worker0's v");
 }
 
+// The worker's part of a pass stops in the hook of its leaf `name` until
+// the test opens the gate.
+std::shared_ptr<Gate> holdInLeafHook(DistNet& worker, const std::string& name) {
+  auto gate = std::make_shared<Gate>();
+  worker.param(name).register_hook([gate](const at::Tensor& grad) {
+    gate->pass();
+    return grad;
+  });
+  return gate;
+}
+
 TEST_P(DistributedBackward, ATrainerCallingAServerSkipsDiscovery) {
   auto x = zoo::input(); // data: requires no grad
   {
@@ -349,12 +360,8 @@ TEST_P(DistributedBackward, GradientsAreAnsweredBeforeTheyRun) {
   }
   // The server's part of the pass stops in its leaf's hook until the test
   // lets it go on.
-  auto gate = std::make_shared<Gate>();
+  auto gate = holdInLeafHook(net(1), "w");
   OpenOnExit opener(*gate);
-  net(1).param("w").register_hook([gate](const at::Tensor& grad) {
-    gate->pass();
-    return grad;
-  });
   auto x = zoo::input();
   {
     autograd::Context context(rt(0));
@@ -387,12 +394,8 @@ TEST_P(DistributedBackward, GradientsAreAnsweredBeforeTheyRun) {
 TEST_P(DistributedBackward, TheLastAnswerEndsThePassWhereItIsRead) {
   // The server's part holds in its leaf's hook until the trainer's own part
   // is surely done: the kAwait's answer then comes last.
-  auto gate = std::make_shared<Gate>();
+  auto gate = holdInLeafHook(net(1), "w");
   OpenOnExit opener(*gate);
-  net(1).param("w").register_hook([gate](const at::Tensor& grad) {
-    gate->pass();
-    return grad;
-  });
   auto x = zoo::input();
   {
     autograd::Context context(rt(0));
@@ -440,12 +443,8 @@ TEST_P(DistributedBackward, TheLastAnswerEndsThePassWhereItIsRead) {
 TEST_P(DistributedBackward, BackwardAsyncCallbacksRunOnThePool) {
   // As above: the kAwait's answer, read on a transport's thread, ends the
   // pass.
-  auto gate = std::make_shared<Gate>();
+  auto gate = holdInLeafHook(net(1), "w");
   OpenOnExit opener(*gate);
-  net(1).param("w").register_hook([gate](const at::Tensor& grad) {
-    gate->pass();
-    return grad;
-  });
   auto x = zoo::input();
   {
     autograd::Context context(rt(0));
